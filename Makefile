@@ -1,0 +1,37 @@
+# fate-rdma: `make demo` runs the main job, `make test` runs the whole suite. Both set up .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed-dev
+
+.PHONY: demo test venv rdma-core bench-verbs doctor clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=23,<26"
+
+$(STAMP): $(PY) pyproject.toml setup.py
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+venv: $(STAMP)
+
+# system rdma-core + pyverbs, linked into the venv (the pyverbs provider's "no device" path is tested)
+rdma-core: $(STAMP)
+	bash deploy/install-rdma-core.sh $(VENV)
+
+demo: venv
+	$(VENV)/bin/fate-rdma demo
+
+test: venv rdma-core
+	$(PY) -m pytest -q -p no:cacheprovider
+
+doctor: venv
+	$(VENV)/bin/fate-rdma doctor
+
+bench-verbs: venv
+	$(VENV)/bin/fate-rdma bench verbs --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info

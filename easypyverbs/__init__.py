@@ -1,0 +1,32 @@
+"""easypyverbs: a small, typed verbs API over rdma-core's pyverbs, with a software provider.
+
+    ctx = open_device()                      # pyverbs if an RDMA device exists, else soft
+    pd = ctx.alloc_pd()
+    mr = pd.reg_mr(bytearray(1 << 20), Access.all_rdma())
+    cq = ctx.create_cq()
+    qp = pd.create_qp(cq)
+    qp.connect(peer_info)                    # QPInfo from the peer (see bootstrap / connection)
+    qp.post_write(mr.sge(0, 4096), remote_mr, wr_id=1)
+    cq.wait(timeout_s=5)
+
+The soft provider emulates verbs over TCP and says so ("soft (emulated verbs over TCP)").
+"""
+from .api import CQ, MR, PD, QP, SGE, Context
+from .bootstrap import BootstrapConn, Listener, connect
+from .connection import RCConnection, establish
+from .device import choose_provider, open_device
+from .enums import Access, QPState, WCOpcode, WCStatus
+from .errors import (BootstrapError, CompletionError, EasyVerbsError, NoDeviceError, PollTimeout,
+                     UsageError)
+from .providers.soft.link import LinkModel
+from .resource import live_resources
+from .types import WC, DeviceInfo, PortInfo, QPCap, QPInfo, RemoteMR
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Access", "BootstrapConn", "BootstrapError", "CQ", "CompletionError", "Context", "DeviceInfo",
+    "EasyVerbsError", "LinkModel", "Listener", "MR", "NoDeviceError", "PD", "PollTimeout", "PortInfo",
+    "QP", "QPCap", "QPInfo", "QPState", "RCConnection", "RemoteMR", "SGE", "UsageError", "WC",
+    "WCOpcode", "WCStatus", "choose_provider", "connect", "establish", "live_resources", "open_device",
+]

@@ -1,0 +1,39 @@
+"""Turn user buffers (bytearray, mmap, numpy array, CPU torch tensor, memoryview) into flat byte views.
+
+No copies: the view aliases the caller's memory, which is what makes zero-copy registration possible.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import UsageError
+
+
+def as_byte_view(obj: Any, writable: bool = False) -> memoryview:
+    """A flat, C-contiguous `memoryview` of unsigned bytes over `obj`'s memory."""
+    if type(obj).__module__.split(".")[0] == "torch":
+        if getattr(obj, "device", None) is not None and obj.device.type != "cpu":
+            raise UsageError(f"only CPU tensors can be registered here, got a tensor on {obj.device}")
+        if not obj.is_contiguous():
+            raise UsageError("tensor is not contiguous; call .contiguous() first")
+        obj = obj.detach().numpy()  # shares memory with the tensor
+    try:
+        mv = memoryview(obj)
+    except TypeError as exc:
+        raise UsageError(f"{type(obj).__name__} does not expose a buffer; pass bytearray, mmap, numpy array, CPU tensor or memoryview") from exc
+    if not mv.c_contiguous:
+        raise UsageError("buffer is not C-contiguous")
+    if writable and mv.readonly:
+        raise UsageError("buffer is read-only but write access was requested")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def address_of(mv: memoryview) -> int:
+    """Virtual address of the first byte of `mv` (0 for an empty view)."""
+    if mv.nbytes == 0:
+        return 0
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)

@@ -1,0 +1,85 @@
+"""`easypyverbs doctor` / `fate-rdma doctor`: what this machine offers for verbs, and why."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+from .device import choose_provider
+from .providers import pyverbs_provider as pv
+from .providers.soft.context import SOFT_LABEL
+
+
+def report() -> Dict[str, Any]:
+    ok, why, devices = pv.status()
+    out: Dict[str, Any] = {
+        "python": f"{sys.version.split()[0]} ({sys.executable})",
+        "pyverbs": {"importable": ok, "location": pv.version() if ok else "", "detail": why,
+                    "enums_module": _enums_name() if ok else ""},
+        "devices": [],
+        "soft": {"available": True, "label": SOFT_LABEL, "emulated": True,
+                 "link_model_env": os.environ.get("EASYPYVERBS_SOFT_LINK", "")},
+    }
+    for name in devices:
+        try:
+            from .providers.pyverbs_provider import PyverbsContext
+
+            with PyverbsContext(name) as ctx:
+                info = ctx.query()
+            out["devices"].append({
+                "name": name, "max_mr_bytes": info.max_mr_bytes, "max_qp_wr": info.max_qp_wr,
+                "ports": [{"port": p.port_num, "state": p.state, "mtu": p.mtu, "max_msg_bytes": p.max_msg_bytes,
+                           "lid": p.lid, "link_layer": p.link_layer,
+                           "gids": [{"index": i, "gid": g, "type": t} for i, g, t in p.gids]} for p in info.ports],
+            })
+        except Exception as exc:  # report, don't crash: doctor must explain
+            out["devices"].append({"name": name, "error": str(exc)})
+    chosen, reason = choose_provider("auto")
+    out["auto"] = {"provider": chosen, "reason": reason}
+    out["usable"] = True  # the soft provider always works
+    return out
+
+
+def _enums_name() -> str:
+    try:
+        import pyverbs.libibverbs_enums  # noqa: F401
+
+        return "pyverbs.libibverbs_enums (rdma-core >= 57)"
+    except ImportError:
+        return "pyverbs.enums (rdma-core < 57)"
+
+
+def render(rep: Dict[str, Any]) -> str:
+    lines: List[str] = ["easypyverbs doctor", f"  python      {rep['python']}"]
+    p = rep["pyverbs"]
+    if p["importable"]:
+        lines.append(f"  pyverbs     importable from {p['location']} [{p['enums_module']}]")
+    else:
+        lines.append(f"  pyverbs     NOT importable: {p['detail']}")
+    if rep["devices"]:
+        for d in rep["devices"]:
+            if "error" in d:
+                lines.append(f"  device      {d['name']}: cannot open: {d['error']}")
+                continue
+            lines.append(f"  device      {d['name']} (max MR {d['max_mr_bytes']} B, max QP WR {d['max_qp_wr']})")
+            for port in d["ports"]:
+                lines.append(f"    port {port['port']}   {port['state']}, {port['link_layer']}, MTU {port['mtu']}, "
+                             f"max_msg_sz {port['max_msg_bytes']}, LID {port['lid']}")
+                for g in port["gids"]:
+                    lines.append(f"      GID[{g['index']}] {g['gid']} {g['type']}")
+    else:
+        lines.append(f"  devices     none ({p['detail']})")
+    s = rep["soft"]
+    lines.append(f"  soft        available: {s['label']} -- an emulation, not RDMA; figures from it are not RDMA figures")
+    if s["link_model_env"]:
+        lines.append(f"              link model from EASYPYVERBS_SOFT_LINK: {s['link_model_env']}")
+    lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: List[str]) -> int:
+    as_json = "--json" in argv
+    rep = report()
+    print(json.dumps(rep, indent=2) if as_json else render(rep))
+    return 0 if rep["usable"] else 1

@@ -1,0 +1,1 @@
+"""Verbs providers: `soft` (verbs emulated over TCP, always available) and `pyverbs` (real RDMA)."""

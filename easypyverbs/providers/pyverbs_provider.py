@@ -1,0 +1,274 @@
+"""The pyverbs provider: real RDMA through rdma-core's pyverbs (RC QPs, RoCE v2 or InfiniBand).
+
+Works with rdma-core 44 (`pyverbs.enums`) and 57+ (`pyverbs.libibverbs_enums`). pyverbs comes from
+the system's rdma-core (deploy/install-rdma-core.sh), never from PyPI. With no RDMA device the
+provider raises `NoDeviceError` saying so.
+
+Untested against hardware in this repository's CI (no RDMA NIC there); the conformance suite runs
+it wherever a device exists.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Callable, List, Optional, Tuple
+
+from ..api import CQ, MR, PD, QP, SGE, Context
+from ..enums import MTU_BYTES, Access, QPState, WCOpcode, WCStatus
+from ..errors import EasyVerbsError, NoDeviceError, UsageError
+from ..types import WC, DeviceInfo, PortInfo, QPCap, QPInfo
+
+log = logging.getLogger("easypyverbs.pyverbs")
+
+
+def _enums() -> Any:
+    try:
+        import pyverbs.libibverbs_enums as e  # rdma-core >= 57
+    except ImportError:
+        import pyverbs.enums as e  # rdma-core 44
+    return e
+
+
+def status() -> Tuple[bool, str, List[str]]:
+    """(pyverbs importable, explanation, RDMA device names)."""
+    try:
+        import pyverbs.device as d
+    except ImportError as exc:
+        return False, f"pyverbs is not importable ({exc}); run deploy/install-rdma-core.sh", []
+    try:
+        devs = d.get_device_list()
+    except Exception as exc:  # PyverbsRDMAError('Failed to get devices list') when there is none
+        return True, f"rdma-core lists no RDMA device ({exc})", []
+    names = [dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name) for dev in devs]
+    if not names:
+        return True, "rdma-core lists no RDMA device", []
+    return True, "ok", names
+
+
+def version() -> str:
+    try:
+        import pyverbs
+
+        return getattr(pyverbs, "__version__", "") or os.path.dirname(pyverbs.__file__)
+    except ImportError:
+        return ""
+
+
+def _call(what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Run a pyverbs call; its errors become EasyVerbsError with errno."""
+    from pyverbs.pyverbs_error import PyverbsError
+
+    try:
+        return fn(*args, **kw)
+    except PyverbsError as exc:
+        code = getattr(exc, "error_code", None)
+        raise EasyVerbsError(f"{what} failed: {exc}", abs(code) if isinstance(code, int) and code else None) from exc
+
+
+def _gid_type(dev: str, port: int, index: int) -> str:
+    try:
+        with open(f"/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/types/{index}") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def open_pyverbs(name: Optional[str] = None, port_num: int = 1, gid_index: Optional[int] = None) -> "PyverbsContext":
+    ok, why, devices = status()
+    if not ok or not devices:
+        raise NoDeviceError(f"pyverbs provider: {why}")
+    name = name or devices[0]
+    if name not in devices:
+        raise NoDeviceError(f"pyverbs provider: no RDMA device {name!r}; found {', '.join(devices)}")
+    return PyverbsContext(name, port_num, gid_index)
+
+
+class PyverbsContext(Context):
+    provider = "pyverbs"
+    emulated = False
+
+    def __init__(self, name: str, port_num: int = 1, gid_index: Optional[int] = None) -> None:
+        import pyverbs.device as d
+
+        super().__init__(name)
+        self.e = _enums()
+        self._ctx = _call(f"open device {name}", d.Context, name=name)
+        self.port_num = port_num
+        self._port = _call("query_port", self._ctx.query_port, port_num)
+        self.is_roce = self._port.link_layer == self.e.IBV_LINK_LAYER_ETHERNET
+        self.gid_index = self._pick_gid() if gid_index is None else gid_index
+        self.gid = str(_call("query_gid", self._ctx.query_gid, port_num, self.gid_index).gid)
+        log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d", name, port_num, self.gid_index, self.gid,
+                 MTU_BYTES.get(self._port.active_mtu, 0))
+
+    def _pick_gid(self) -> int:
+        """RoCE: the first RoCE v2 GID with an IPv4-mapped address, else any RoCE v2; IB: index 0."""
+        if not self.is_roce:
+            return 0
+        best = None
+        for i in range(self._port.gid_tbl_len):
+            try:
+                gid = str(self._ctx.query_gid(self.port_num, i).gid)
+            except Exception:
+                continue
+            if gid.strip("0:") == "" or "v2" not in _gid_type(self.name, self.port_num, i):
+                continue
+            if gid.startswith("0000:0000:0000:0000:0000:ffff") or "::ffff:" in gid:
+                return i
+            best = i if best is None else best
+        if best is None:
+            raise NoDeviceError(f"{self.name} port {self.port_num}: no RoCE v2 GID (is an IP address configured?)")
+        return best
+
+    def _alloc_pd(self) -> PD:
+        return PyverbsPD(self)
+
+    def _create_cq(self, cqe: int) -> CQ:
+        return PyverbsCQ(self, cqe)
+
+    def _query(self) -> DeviceInfo:
+        attr = _call("query_device", self._ctx.query_device)
+        port = _call("query_port", self._ctx.query_port, self.port_num)
+        gids = tuple((i, str(self._ctx.query_gid(self.port_num, i).gid), _gid_type(self.name, self.port_num, i))
+                     for i in range(min(port.gid_tbl_len, 8)))
+        state = "ACTIVE" if port.state == self.e.IBV_PORT_ACTIVE else f"state {port.state}"
+        p = PortInfo(self.port_num, state, MTU_BYTES.get(port.active_mtu, 0), port.max_msg_sz, port.lid,
+                     "Ethernet (RoCE)" if self.is_roce else "InfiniBand", gids)
+        return DeviceInfo("pyverbs", self.name, False, attr.max_mr_size, attr.max_qp_wr, attr.max_sge, attr.max_cqe, (p,))
+
+    @property
+    def max_msg_bytes(self) -> int:
+        return int(self._port.max_msg_sz)
+
+    def _close_impl(self) -> None:
+        self._ctx.close()
+
+
+class PyverbsPD(PD):
+    def __init__(self, ctx: PyverbsContext) -> None:
+        from pyverbs.pd import PD as _PD
+
+        super().__init__(ctx)
+        self._pd = _call("alloc_pd", _PD, ctx._ctx)
+
+    def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> MR:
+        from pyverbs.mr import MR as _MR
+
+        from ..buffers import address_of
+
+        if view.nbytes == 0:
+            raise UsageError("cannot register an empty buffer")
+        mr = _call("reg_mr", _MR, self._pd, view.nbytes, int(access), address=address_of(view))
+        out = PyverbsMR(self, buffer, view, access, mr.lkey, mr.rkey)
+        out._mr = mr
+        return out
+
+    def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
+        return PyverbsQP(self, send_cq, recv_cq, cap)
+
+    def _close_impl(self) -> None:
+        self._pd.close()
+
+
+class PyverbsMR(MR):
+    _mr: Any = None
+
+    def _close_impl(self) -> None:
+        if self._mr is not None:
+            self._mr.close()
+        super()._close_impl()
+
+
+class PyverbsCQ(CQ):
+    def __init__(self, ctx: PyverbsContext, cqe: int) -> None:
+        from pyverbs.cq import CQ as _CQ
+
+        super().__init__(ctx, cqe)
+        self._cq = _call("create_cq", _CQ, ctx._ctx, cqe, None, None, 0)
+        self._e = ctx.e
+
+    def _poll(self, max_entries: int) -> List[WC]:
+        n, wcs = _call("poll_cq", self._cq.poll, max_entries)
+        out = []
+        for wc in wcs[:n]:
+            imm = socket.ntohl(wc.imm_data) if wc.wc_flags & self._e.IBV_WC_WITH_IMM else None
+            out.append(WC(wc.wr_id, WCStatus(wc.status), WCOpcode(wc.opcode), wc.byte_len, imm, wc.qp_num, wc.vendor_err))
+        return out
+
+    def _close_impl(self) -> None:
+        self._cq.close()
+
+
+class PyverbsQP(QP):
+    def __init__(self, pd: PyverbsPD, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> None:
+        import random
+
+        from pyverbs.qp import QP as _QP
+        from pyverbs.qp import QPCap as _Cap
+        from pyverbs.qp import QPInitAttr
+
+        super().__init__(pd, send_cq, recv_cq, cap)
+        e = self.e = pd.ctx.e  # type: ignore[attr-defined]
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq,  # type: ignore[attr-defined]
+                          cap=_Cap(cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge, cap.max_recv_sge, cap.max_inline_data),
+                          sq_sig_all=0)
+        self._qp = _call("create_qp", _QP, pd._pd, init)
+        self.psn = random.randrange(1 << 24)
+
+    def _info(self) -> QPInfo:
+        ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
+        return QPInfo("pyverbs", self._qp.qp_num, self.psn, ctx.gid, ctx._port.lid,
+                      MTU_BYTES.get(ctx._port.active_mtu, 1024), ctx.max_msg_bytes)
+
+    def _state(self) -> QPState:
+        return QPState(self._qp.qp_state)
+
+    def _connect(self, remote: QPInfo, timeout_s: float) -> None:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
+        e = self.e
+        mtu_enum = {v: k for k, v in MTU_BYTES.items()}[min(remote.mtu, MTU_BYTES.get(ctx._port.active_mtu, 1024))]
+        attr = QPAttr(port_num=ctx.port_num)
+        attr.qp_access_flags = int(Access.all_rdma())
+        attr.path_mtu = mtu_enum
+        attr.dest_qp_num = remote.qpn
+        attr.rq_psn = remote.psn
+        attr.sq_psn = self.psn
+        attr.max_rd_atomic = attr.max_dest_rd_atomic = 16
+        attr.min_rnr_timer = 12  # 0.64 ms
+        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per try; long-haul links want more (configurable later)
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7  # infinite RNR retries, as perftest does
+        gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=ctx.gid_index)
+        attr.ah_attr = AHAttr(port_num=ctx.port_num, is_global=1, gr=gr, dlid=remote.lid)
+        _call("modify QP to RTS", self._qp.to_rts, attr)
+
+    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
+        from pyverbs.wr import SGE as _SGE
+        from pyverbs.wr import SendWR
+
+        e = self.e
+        opcode = {
+            ("send", False): e.IBV_WR_SEND, ("send", True): e.IBV_WR_SEND_WITH_IMM,
+            ("write", False): e.IBV_WR_RDMA_WRITE, ("write", True): e.IBV_WR_RDMA_WRITE_WITH_IMM,
+            ("read", False): e.IBV_WR_RDMA_READ,
+        }[(op, imm is not None)]
+        sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges]
+        wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=len(sg), sg=sg,
+                    send_flags=e.IBV_SEND_SIGNALED if signaled else 0, imm_data=socket.htonl(imm or 0))
+        if op != "send":
+            wr.set_wr_rdma(rkey, raddr)
+        _call("post_send", self._qp.post_send, wr)
+
+    def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
+        from pyverbs.wr import SGE as _SGE
+        from pyverbs.wr import RecvWR
+
+        sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges]
+        _call("post_recv", self._qp.post_recv, RecvWR(wr_id=wr_id, num_sge=len(sg), sg=sg or None))
+
+    def _close_impl(self) -> None:
+        self._qp.close()

@@ -1,0 +1,202 @@
+"""Soft provider: context (the emulated NIC), PD, MR and CQ."""
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional
+
+from ...api import CQ, MR, PD, QP, Context
+from ...enums import Access
+from ...errors import EasyVerbsError
+from ...types import WC, DeviceInfo, PortInfo, QPCap
+from . import wire
+from .link import Link, LinkModel
+
+log = logging.getLogger("easypyverbs.soft")
+
+SOFT_LABEL = "soft (emulated verbs over TCP)"
+
+
+class SoftContext(Context):
+    """An emulated NIC: a TCP listener that peers' QPs dial, plus the MR and QP tables."""
+
+    provider = "soft"
+    emulated = True
+
+    def __init__(
+        self,
+        bind_host: str = "127.0.0.1",
+        advertise_host: Optional[str] = None,
+        link: Optional[LinkModel] = None,
+        max_msg_bytes: int = 1 << 30,
+        rnr_timeout_s: float = 2.0,
+        retry_timeout_s: float = 10.0,
+    ) -> None:
+        super().__init__("soft0")
+        self.link_model = link or LinkModel()
+        self.link = Link(self.link_model) if self.link_model.active else None
+        self._max_msg_bytes = max_msg_bytes
+        self.rnr_timeout_s = rnr_timeout_s
+        self.retry_timeout_s = retry_timeout_s
+        self._lock = threading.Lock()
+        self._mrs: Dict[int, "SoftMR"] = {}
+        self._qps: Dict[int, QP] = {}
+        self._next_qpn = 0x100 + secrets.randbelow(0x1000)
+        self._listener = socket.create_server((bind_host, 0), backlog=128)
+        port = self._listener.getsockname()[1]
+        self.nic_address = f"{advertise_host or bind_host}:{port}"
+        self._acceptor = threading.Thread(target=self._accept_loop, name="soft-nic-accept", daemon=True)
+        self._acceptor.start()
+        log.info("opened %s at %s (link: %s)", SOFT_LABEL, self.nic_address, self.link_model.describe())
+
+    # -- tables ---------------------------------------------------------------------------------
+    def _new_key(self) -> int:
+        while True:
+            k = secrets.randbits(32)
+            if k and k not in self._mrs:
+                return k
+
+    def add_mr(self, mr: "SoftMR") -> None:
+        with self._lock:
+            self._mrs[mr.rkey] = mr
+
+    def remove_mr(self, mr: "SoftMR") -> None:
+        with self._lock:
+            self._mrs.pop(mr.rkey, None)
+
+    def mr_by_rkey(self, rkey: int) -> Optional["SoftMR"]:
+        with self._lock:
+            return self._mrs.get(rkey)
+
+    def add_qp(self, qp: QP) -> int:
+        with self._lock:
+            qpn = self._next_qpn
+            self._next_qpn = (self._next_qpn + 1) & 0xFFFFFF or 1
+            self._qps[qpn] = qp
+            return qpn
+
+    def remove_qp(self, qpn: int) -> None:
+        with self._lock:
+            self._qps.pop(qpn, None)
+
+    # -- the NIC --------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            threading.Thread(target=self._handshake, args=(sock,), name="soft-nic-hello", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(5.0)
+            raw = wire.recv_exactly(sock, wire.HELLO.size)
+            magic, version, kind, _, src_qpn, dst_qpn, psn, fwd_delay_us = wire.HELLO.unpack(raw)
+            if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 1:
+                raise EasyVerbsError("not a soft-verbs HELLO")
+            with self._lock:
+                qp = self._qps.get(dst_qpn)
+            status = wire.HELLO_OK if qp is not None else wire.HELLO_NO_QP
+            if qp is not None and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6):
+                status = wire.HELLO_BUSY
+            sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status))
+            if status != wire.HELLO_OK:
+                sock.close()
+        except (OSError, EasyVerbsError) as exc:
+            log.warning("soft NIC %s: rejected a connection: %s", self.nic_address, exc)
+            sock.close()
+
+    # -- verbs ----------------------------------------------------------------------------------
+    def _alloc_pd(self) -> PD:
+        return _SoftPD(self)
+
+    def _create_cq(self, cqe: int) -> CQ:
+        return SoftCQ(self, cqe)
+
+    def _query(self) -> DeviceInfo:
+        port = PortInfo(1, "ACTIVE", self.link_model.mtu, self._max_msg_bytes, 0, "Ethernet (TCP emulation)",
+                        ((0, self.nic_address, "soft"),))
+        return DeviceInfo("soft", self.name, True, 1 << 40, 1 << 15, 32, 1 << 20, (port,),
+                          notes=f"{SOFT_LABEL}; link model: {self.link_model.describe()}")
+
+    @property
+    def max_msg_bytes(self) -> int:
+        return self._max_msg_bytes
+
+    def _close_impl(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._acceptor.join(timeout=5)
+
+
+class _SoftPD(PD):
+    def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> MR:
+        ctx: SoftContext = self.ctx  # type: ignore[assignment]
+        key = ctx._new_key()
+        mr = SoftMR(self, buffer, view, access, key, key)
+        ctx.add_mr(mr)
+        return mr
+
+    def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
+        from .qp import SoftQP
+
+        return SoftQP(self, send_cq, recv_cq, cap)
+
+
+class SoftMR(MR):
+    def _close_impl(self) -> None:
+        self.pd.ctx.remove_mr(self)  # type: ignore[attr-defined]
+        super()._close_impl()
+
+
+class SoftCQ(CQ):
+    """Completions in a deque; a condition variable wakes waiters (no busy polling)."""
+
+    def __init__(self, ctx: Context, cqe: int) -> None:
+        super().__init__(ctx, cqe)
+        self._q: Deque[WC] = collections.deque()
+        self._cv = threading.Condition()
+        self._overrun = False
+
+    def push(self, wc: WC) -> None:
+        with self._cv:
+            if len(self._q) >= self.cqe:
+                self._overrun = True  # like a real CQ overrun: fatal for the CQ
+                log.error("soft CQ overrun (cqe=%d): completion of wr_id %d lost", self.cqe, wc.wr_id)
+            else:
+                self._q.append(wc)
+            self._cv.notify_all()
+
+    def _take(self, n: int) -> List[WC]:
+        if self._overrun:
+            raise EasyVerbsError(f"CQ overrun: more than {self.cqe} completions were not polled")
+        return [self._q.popleft() for _ in range(min(n, len(self._q)))]
+
+    def _poll(self, max_entries: int) -> List[WC]:
+        with self._cv:
+            return self._take(max_entries)
+
+    def _wait(self, timeout_s: float, max_entries: int) -> List[WC]:
+        from ...errors import PollTimeout
+
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while not self._q and not self._overrun and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PollTimeout(f"no completion within {timeout_s:.3f} s")
+                self._cv.wait(left)
+            self._check_open()
+            return self._take(max_entries)
+
+    def _close_impl(self) -> None:
+        with self._cv:
+            self._cv.notify_all()

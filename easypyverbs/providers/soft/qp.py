@@ -1,0 +1,403 @@
+"""Soft provider: the RC queue pair.
+
+Each direction of a connected pair is one TCP connection from the requester to the responder's
+emulated NIC. Requester threads: `sender` (transmits WRs in order, paced by the link model) and
+`acks` (reads ACK/NAK/READ responses, completes WRs in order). Responder thread: `responder`
+(validates each request against the MR table, places bytes with `recv_into` straight in the target
+MR, consumes posted receives, answers). Completions that the link model delays go through a FIFO
+`DelayLine`, so order is kept.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Deque, List, Optional
+
+from ...api import CQ, OPCODE_OF, PD, QP, SGE
+from ...enums import Access, QPState, WCOpcode, WCStatus
+from ...errors import EasyVerbsError, UsageError
+from ...types import WC, QPCap, QPInfo
+from . import wire
+from .link import DelayLine
+
+log = logging.getLogger("easypyverbs.soft")
+PSN_MASK = 0xFFFFFF
+_OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
+
+
+class _WR:
+    __slots__ = ("wr_id", "op", "sges", "raddr", "rkey", "imm", "signaled", "psn", "length")
+
+    def __init__(self, wr_id: int, op: str, sges: List[SGE], raddr: int, rkey: int, imm: Optional[int], signaled: bool) -> None:
+        self.wr_id, self.op, self.sges, self.raddr, self.rkey = wr_id, op, sges, raddr, rkey
+        self.imm, self.signaled, self.psn = imm, signaled, 0
+        self.length = sum(s.length for s in sges)
+
+
+class SoftQP(QP):
+    def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> None:
+        super().__init__(pd, send_cq, recv_cq, cap)
+        self.qpn = self.ctx.add_qp(self)  # type: ignore[attr-defined]
+        self.psn = secrets.randbelow(PSN_MASK + 1)
+        self._next_psn = self.psn
+        self._st = QPState.INIT
+        self._cv = threading.Condition()
+        self._send_q: Deque[_WR] = collections.deque()
+        self._inflight: Deque[_WR] = collections.deque()
+        self._outstanding = 0
+        self._recv_q: Deque[Any] = collections.deque()
+        self._req_sock: Optional[socket.socket] = None
+        self._resp_sock: Optional[socket.socket] = None
+        self._resp_lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+        self._ack_line: Optional[DelayLine] = None
+        self._resp_line: Optional[DelayLine] = None
+        self._closing = False
+        self._scratch: Optional[memoryview] = None
+
+    # -- connection -----------------------------------------------------------------------------
+    def _info(self) -> QPInfo:
+        ctx = self.ctx
+        return QPInfo("soft", self.qpn, self.psn, ctx.nic_address, 0, ctx.link_model.mtu, ctx.max_msg_bytes)  # type: ignore[attr-defined]
+
+    def _state(self) -> QPState:
+        return self._st
+
+    def _spawn(self, target: Any, name: str) -> None:
+        t = threading.Thread(target=target, name=f"soft-qp{self.qpn}-{name}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _connect(self, remote: QPInfo, timeout_s: float) -> None:
+        host, _, port = remote.gid.rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(f"soft QPInfo gid must be host:port, got {remote.gid!r}")
+        link = self.ctx.link_model  # type: ignore[attr-defined]
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        except OSError as exc:
+            raise EasyVerbsError(f"soft QP {self.qpn}: cannot reach peer NIC {remote.gid}: {exc}", exc.errno) from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, self.qpn, remote.qpn, self.psn,
+                                         int(link.delay_s * 1e6)))
+            magic, version, kind, status = wire.HELLO_REPLY.unpack(wire.recv_exactly(sock, wire.HELLO_REPLY.size))
+        except (OSError, wire.PeerClosed) as exc:
+            sock.close()
+            raise EasyVerbsError(f"soft QP {self.qpn}: handshake with {remote.gid} failed: {exc}") from exc
+        if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 2 or status != wire.HELLO_OK:
+            sock.close()
+            why = {wire.HELLO_NO_QP: "no such QP", wire.HELLO_BUSY: "QP already connected"}.get(status, "bad reply")
+            raise EasyVerbsError(f"soft QP {self.qpn}: peer {remote.gid} refused QP {remote.qpn}: {why}")
+        wire.set_kernel_timeouts(sock, self.ctx.retry_timeout_s)  # type: ignore[attr-defined]
+        with self._cv:
+            self._req_sock = sock
+            self._st = QPState.RTS
+        if link.delay_s > 0:
+            self._ack_line = DelayLine(f"soft-qp{self.qpn}-ackdelay")
+        self._spawn(self._send_loop, "send")
+        self._spawn(self._ack_loop, "acks")
+
+    def attach_responder(self, sock: socket.socket, src_qpn: int, psn: int, fwd_delay_s: float) -> bool:
+        """Called by the NIC when the peer's requester dials this QP."""
+        with self._cv:
+            if self._closing or self._resp_sock is not None or self._st == QPState.ERR:
+                return False
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._resp_sock = sock
+        self._spawn(lambda: self._respond_loop(sock, psn, fwd_delay_s), "resp")
+        return True
+
+    # -- posting --------------------------------------------------------------------------------
+    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
+        with self._cv:
+            if self._outstanding >= self.cap.max_send_wr:
+                raise EasyVerbsError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)", 12)  # ENOMEM
+            self._send_q.append(_WR(wr_id, op, sges, raddr or 0, rkey, imm, signaled))
+            self._outstanding += 1
+            self._cv.notify_all()
+
+    def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
+        with self._cv:
+            if len(self._recv_q) >= self.cap.max_recv_wr:
+                raise EasyVerbsError(f"receive queue full ({self.cap.max_recv_wr} WRs posted)", 12)
+            self._recv_q.append((wr_id, sges))
+            self._cv.notify_all()
+
+    # -- requester ------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        link = self.ctx.link  # type: ignore[attr-defined]
+        sock = self._req_sock
+        assert sock is not None
+        while True:
+            with self._cv:
+                while not self._send_q and self._st == QPState.RTS and not self._closing:
+                    self._cv.wait()
+                if self._st != QPState.RTS or not self._send_q:
+                    return
+                wr = self._send_q.popleft()
+                wr.psn = self._next_psn
+                self._next_psn = (self._next_psn + 1) & PSN_MASK
+                self._inflight.append(wr)
+            try:
+                views = [] if wr.op == "read" else [s.view() for s in wr.sges]
+            except UsageError as exc:  # MR deregistered after posting
+                self._fail(WCStatus.LOC_PROT_ERR, f"wr {wr.wr_id}: {exc}")
+                return
+            opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0)
+            now = time.monotonic()
+            free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
+            hdr = wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr, wr.rkey,
+                                wr.imm or 0, int((free_at - now) * 1e6))
+            try:
+                wire.send_buffers(sock, [memoryview(hdr)] + views)
+            except OSError as exc:
+                self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
+                return
+            if link:  # the link stays busy until the last bit has left
+                pause = free_at - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+
+    def _ack_loop(self) -> None:
+        sock = self._req_sock
+        assert sock is not None
+        hdr = memoryview(bytearray(wire.RESP.size))
+        delay = self.ctx.link_model.delay_s  # type: ignore[attr-defined]
+        while True:
+            try:
+                wire.recv_exactly_into(sock, hdr)
+            except (socket.timeout, BlockingIOError):  # SO_RCVTIMEO expired: fine unless WRs wait
+                with self._cv:
+                    stalled = bool(self._inflight) and not self._closing
+                if stalled:
+                    self._fail(WCStatus.RETRY_EXC_ERR, "no response from peer within the retry timeout")
+                    return
+                continue
+            except (OSError, wire.PeerClosed) as exc:
+                if not self._closing:
+                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}")
+                return
+            magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
+            with self._cv:
+                wr = self._inflight.popleft() if self._inflight else None
+            if magic != wire.RESP_MAGIC or version != wire.VERSION or wr is None or wr.psn != psn \
+                    or kind not in (wire.ACK, wire.NAK, wire.READ_RESP) or status not in WCStatus.__members__.values():
+                if wr is not None:
+                    self._finish(wr, WCStatus.BAD_RESP_ERR)
+                self._fail(WCStatus.BAD_RESP_ERR, "malformed or unexpected response from peer")
+                return
+            if kind == wire.READ_RESP:
+                try:
+                    if length != wr.length:
+                        raise wire.PeerClosed(f"READ response of {length} bytes for a {wr.length}-byte read")
+                    for s in wr.sges:
+                        wire.recv_exactly_into(sock, s.view())
+                except (OSError, UsageError, wire.PeerClosed) as exc:
+                    self._finish(wr, WCStatus.LOC_PROT_ERR if isinstance(exc, UsageError) else WCStatus.BAD_RESP_ERR)
+                    self._fail(WCStatus.WR_FLUSH_ERR, f"READ response failed: {exc}")
+                    return
+            st = WCStatus(status)
+            if self._ack_line is not None:
+                self._ack_line.submit(time.monotonic() + delay, lambda wr=wr, st=st: self._finish(wr, st))
+            else:
+                self._finish(wr, st)
+
+    def _finish(self, wr: _WR, status: WCStatus) -> None:
+        with self._cv:
+            self._outstanding -= 1
+            self._cv.notify_all()
+        if status != WCStatus.SUCCESS or wr.signaled:
+            self.send_cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, self.qpn))  # type: ignore[attr-defined]
+        if status != WCStatus.SUCCESS:
+            self._enter_error(WCStatus.WR_FLUSH_ERR, f"wr {wr.wr_id} failed with {status.name}")
+
+    def _fail(self, status: WCStatus, why: str) -> None:
+        """Error the QP after the completions already due (keeps completion order)."""
+        if self._ack_line is not None:
+            self._ack_line.submit(time.monotonic(), lambda: self._enter_error(status, why))
+        else:
+            self._enter_error(status, why)
+
+    def _enter_error(self, first_status: WCStatus, why: str) -> None:
+        with self._cv:
+            if self._st == QPState.ERR:
+                return
+            self._st = QPState.ERR
+            victims = list(self._inflight) + list(self._send_q)
+            self._inflight.clear()
+            self._send_q.clear()
+            self._outstanding -= len(victims)
+            recvs = list(self._recv_q)
+            self._recv_q.clear()
+            self._cv.notify_all()
+        if not self._closing:
+            # a peer that closed its QP is routine; anything else deserves a warning
+            (log.info if why.startswith("peer disconnected") else log.warning)("soft QP %d -> ERR: %s", self.qpn, why)
+        for i, wr in enumerate(victims):
+            st = first_status if i == 0 else WCStatus.WR_FLUSH_ERR
+            self.send_cq.push(WC(wr.wr_id, st, OPCODE_OF[wr.op], 0, None, self.qpn))  # type: ignore[attr-defined]
+        for wr_id, _ in recvs:
+            self.recv_cq.push(WC(wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, None, self.qpn))  # type: ignore[attr-defined]
+        self._shutdown_sockets()
+
+    def _shutdown_sockets(self) -> None:
+        for s in (self._req_sock, self._resp_sock):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    # -- responder ------------------------------------------------------------------------------
+    def _take_recv(self) -> Optional[Any]:
+        deadline = time.monotonic() + self.ctx.rnr_timeout_s  # type: ignore[attr-defined]
+        with self._cv:
+            while not self._recv_q and self._st != QPState.ERR and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            return self._recv_q.popleft() if self._recv_q else None
+
+    def _lookup(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[memoryview]:
+        mr = self.ctx.mr_by_rkey(rkey)  # type: ignore[attr-defined]
+        if mr is None or mr.pd is not self.pd or not mr.access & need:
+            return None
+        if raddr < mr.addr or raddr + length > mr.addr + mr.length:
+            return None
+        try:
+            return mr.view(raddr - mr.addr, length)
+        except UsageError:  # deregistered meanwhile
+            return None
+
+    def _respond_loop(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
+        hdr = memoryview(bytearray(wire.REQ.size))
+        expected = psn
+        while True:
+            try:
+                wire.recv_exactly_into(sock, hdr)
+                magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
+                due = time.monotonic() + due_us / 1e6 + fwd_delay_s
+                op, has_imm = opcode & 0x7F, bool(opcode & wire.OP_HAS_IMM)
+                if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected:
+                    self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
+                    return
+                expected = (expected + 1) & PSN_MASK
+                self._serve(sock, op, has_imm, psn, length, raddr, rkey, imm, due)
+            except (OSError, wire.PeerClosed) as exc:
+                with self._cv:
+                    acks_pending = bool(self._inflight)
+                # with sends in flight, the ack reader sees the peer's last answer (a NAK, say) and
+                # then the closed connection itself, and errors the QP with the right statuses
+                if not self._closing and not acks_pending:
+                    self._enter_error(WCStatus.WR_FLUSH_ERR, f"peer disconnected: {exc}")
+                return
+            except UsageError as exc:  # a posted receive's MR was deregistered
+                self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
+                return
+
+    def _serve(self, sock: socket.socket, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
+               imm: int, due: float) -> None:
+        if op == wire.OP_READ:
+            view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
+            if view is None:
+                self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
+            else:
+                self._answer(sock, due, wire.READ_RESP, psn, WCStatus.SUCCESS, payload=view)
+            return
+        if op == wire.OP_WRITE:
+            view = self._lookup(rkey, raddr, length, Access.REMOTE_WRITE)
+            if view is None:
+                self._drain(sock, length)
+                self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
+                return
+            recv = self._take_recv() if has_imm else None
+            if has_imm and recv is None:
+                self._drain(sock, length)
+                self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
+                return
+            wire.recv_exactly_into(sock, view)
+            wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
+            self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
+            return
+        recv = self._take_recv()  # SEND
+        if recv is None:
+            self._drain(sock, length)
+            self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
+            return
+        wr_id, sges = recv
+        if length > sum(s.length for s in sges):
+            self._drain(sock, length)
+            wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qpn)
+            self._answer(sock, due, wire.NAK, psn, WCStatus.REM_INV_REQ_ERR, wc=wc, then_error=True)
+            return
+        left = length
+        for s in sges:
+            k = min(left, s.length)
+            if k:
+                wire.recv_exactly_into(sock, s.view()[:k])
+            left -= k
+        wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
+        self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
+
+    def _drain(self, sock: socket.socket, length: int) -> None:
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(1 << 20))
+        wire.drain(sock, length, self._scratch)
+
+    def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
+                wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False) -> None:
+        def deliver() -> None:
+            if wc is not None:
+                self.recv_cq.push(wc)  # type: ignore[attr-defined]
+            try:
+                with self._resp_lock:
+                    n = payload.nbytes if payload is not None else 0
+                    wire.send_buffers(sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, kind, psn, int(status), n))]
+                                      + ([payload] if payload is not None else []))
+            except OSError:
+                pass  # the requester notices the lost connection itself
+            if then_error:
+                self._enter_error(WCStatus.WR_FLUSH_ERR, f"receive failed with {wc.status.name if wc else status.name}")
+
+        if self._resp_line is None and due > time.monotonic():
+            self._resp_line = DelayLine(f"soft-qp{self.qpn}-respdelay")
+        if self._resp_line is not None:
+            self._resp_line.submit(due, deliver)
+        else:
+            deliver()
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self, drain_timeout_s: float = 5.0) -> None:
+        """Wait (bounded) for posted sends to complete, then tear down."""
+        if not self.closed and self._st == QPState.RTS:
+            with self._cv:
+                self._cv.wait_for(lambda: self._outstanding == 0 or self._st != QPState.RTS, timeout=drain_timeout_s)
+        super().close()
+
+    def abort(self) -> None:
+        super().close()
+
+    def _close_impl(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._shutdown_sockets()
+        for line in (self._ack_line, self._resp_line):
+            if line is not None:
+                line.close(drain=False)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        for s in (self._req_sock, self._resp_sock):
+            if s is not None:
+                s.close()
+        with self._cv:
+            self._st = QPState.ERR
+        self.ctx.remove_qp(self.qpn)  # type: ignore[attr-defined]

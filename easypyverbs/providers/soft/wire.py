@@ -1,0 +1,96 @@
+"""Frames of the soft provider's emulated RC transport (one TCP connection per QP and direction).
+
+Every frame starts with a 2-byte magic and a version, so garbage is detected at once.
+
+HELLO (requester -> responder NIC), `!4sBBHIIIQ`, 28 bytes:
+    magic b"SVRB", version u8, kind u8 (=1), reserved u16, src_qpn u32, dst_qpn u32, first psn u32,
+    fwd_delay_us u64 (the requester's link model: one-way delay the responder adds)
+HELLO_REPLY (responder -> requester), `!4sBBH`, 8 bytes: magic, version, kind (=2), status u16 (0 ok)
+
+REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
+    magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
+    imm u32, due_us u64 (link model: microseconds after this header that the message is complete)
+    flags ride in the high bit of opcode: 0x80 = imm present.
+RESP (responder -> requester), `!HBBIIQ`, 20 bytes, then `length` bytes for a READ response:
+    magic u16 0x5341 ("SA"), version u8, kind u8 (ACK/NAK/READ_RESP), psn u32, status u32 (WCStatus
+    the requester completes with), length u64
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import List, Sequence
+
+VERSION = 1
+HELLO = struct.Struct("!4sBBHIIIQ")
+HELLO_REPLY = struct.Struct("!4sBBH")
+HELLO_MAGIC = b"SVRB"
+REQ = struct.Struct("!HBBIQQIIQ")
+REQ_MAGIC = 0x5352
+RESP = struct.Struct("!HBBIIQ")
+RESP_MAGIC = 0x5341
+
+OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
+OP_HAS_IMM = 0x80
+ACK, NAK, READ_RESP = 1, 2, 3
+HELLO_OK, HELLO_NO_QP, HELLO_BUSY = 0, 1, 2
+
+
+def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with SO_SNDTIMEO/SO_RCVTIMEO: calls fail with EAGAIN after `seconds` of no progress.
+
+    Unlike `settimeout`, which polls before every call (halving large-transfer throughput here),
+    this keeps Python's direct blocking path and still bounds every wait.
+    """
+    sock.settimeout(None)
+    sec = int(seconds)
+    tv = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, (socket.timeout, BlockingIOError))
+
+
+class PeerClosed(ConnectionError):
+    """The other end closed the connection."""
+
+
+def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock` (straight into the caller's memory, no intermediate copy)."""
+    pos, n = 0, view.nbytes
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            raise PeerClosed(f"peer closed the connection after {pos} of {n} bytes")
+        pos += got
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exactly_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def drain(sock: socket.socket, n: int, scratch: memoryview) -> None:
+    """Read and discard `n` bytes through a bounded scratch buffer."""
+    while n > 0:
+        k = min(n, scratch.nbytes)
+        recv_exactly_into(sock, scratch[:k])
+        n -= k
+
+
+def send_buffers(sock: socket.socket, bufs: Sequence[memoryview]) -> None:
+    """Send every buffer in order with vectored writes, handling partial sends."""
+    pending: List[memoryview] = [b for b in bufs if b.nbytes]
+    while pending:
+        sent = sock.sendmsg(pending[:512])
+        while sent:
+            head = pending[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = head[sent:]
+                sent = 0

@@ -1,0 +1,39 @@
+"""Printing benchmark results: one JSON line per measurement, then an aligned table."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any, Dict, List, Sequence, TextIO
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def emit(row: Dict[str, Any], out: TextIO = sys.stdout) -> None:
+    out.write(json.dumps(row, sort_keys=False) + "\n")
+    out.flush()
+
+
+def table(rows: List[Dict[str, Any]], columns: List[str], out: TextIO = sys.stdout) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths)) + "\n")
+    out.write("  ".join("-" * w for w in widths) + "\n")
+    for row in cells:
+        out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)) + "\n")
+    out.flush()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,47 @@
+"""The `fate-rdma` command: one subcommand per module.
+
+Exit codes: 0 success; 1 the command ran and failed (verification mismatch, transfer error);
+2 usage error (bad arguments).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional
+
+SUBCOMMANDS = {
+    "doctor": ("fate_rdma.cli.doctor", "explain what this machine offers: providers, RDMA devices, ports, GIDs"),
+    "demo": ("fate_rdma.cli.demo", "the main job: move a GPT-2-sized buffer between two processes and verify it"),
+    "bench": ("fate_rdma.cli.bench", "benchmarks that print figures (JSON lines + table): verbs, transfer"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fate-rdma",
+        description="fate-rdma: model weights between FATE parties over RDMA (or the soft verbs emulation).",
+        epilog="Exit codes: 0 ok, 1 failed, 2 bad usage. Run 'fate-rdma COMMAND --help' for details.",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (mod, help_) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        importlib.import_module(mod).add_arguments(sp)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""`fate-rdma bench verbs|transfer`: figures (JSON lines plus a table), not pass/fail tests."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+KINDS = {
+    "verbs": "fate_rdma.bench.verbs",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, mod in KINDS.items():
+        m = importlib.import_module(mod)
+        sp = sub.add_parser(name, help=m.__doc__.strip().splitlines()[0], description=m.__doc__)
+        m.add_arguments(sp)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(KINDS[args.bench]).run(args) or 0)

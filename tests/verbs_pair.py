@@ -1,0 +1,58 @@
+"""An RC pair stood up in one process (swap QPInfo directly), for the conformance suite."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List
+
+import pytest
+
+import easypyverbs as ev
+
+PROVIDERS = ["soft", "pyverbs"]
+
+
+def require(provider: str) -> None:
+    if provider == "pyverbs":
+        ok, why, devices = ev.device.pyverbs_status()
+        if not (ok and devices):
+            pytest.skip(f"pyverbs provider not usable here: {why}")
+
+
+def open_ctx(provider: str, **soft_opts: Any) -> ev.Context:
+    if provider == "soft":
+        opts = {"rnr_timeout_s": 0.3, "retry_timeout_s": 3.0}
+        opts.update(soft_opts)
+        return ev.open_device(provider="soft", **opts)
+    return ev.open_device(provider="pyverbs")
+
+
+@dataclasses.dataclass
+class Side:
+    ctx: ev.Context
+    pd: ev.PD
+    cq: ev.CQ
+    qp: ev.QP
+    buf: bytearray
+    mr: ev.MR
+
+
+def make_pair(provider: str, size: int = 1 << 16, cap: ev.QPCap = ev.QPCap(), **soft_opts: Any) -> List[Side]:
+    sides = []
+    for _ in range(2):
+        ctx = open_ctx(provider, **soft_opts)
+        pd = ctx.alloc_pd()
+        cq = ctx.create_cq(1024)
+        qp = pd.create_qp(cq, cq, cap)
+        buf = bytearray(size)
+        mr = pd.reg_mr(buf, ev.Access.all_rdma())
+        sides.append(Side(ctx, pd, cq, qp, buf, mr))
+    a, b = sides
+    ia, ib = a.qp.info(), b.qp.info()
+    a.qp.connect(ib)
+    b.qp.connect(ia)
+    return sides
+
+
+def close_pair(sides: List[Side]) -> None:
+    for s in sides:
+        s.ctx.close()
