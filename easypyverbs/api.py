@@ -5,6 +5,7 @@ argument checking, bounds checks and lifetime rules live here once, so both prov
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import time
 from typing import Any, List, Optional, Sequence, Union
@@ -50,14 +51,17 @@ class Context(Resource):
     def max_msg_bytes(self) -> int:
         return min(p.max_msg_bytes for p in self.query().ports)
 
+    @abc.abstractmethod
     def _alloc_pd(self) -> "PD":
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _create_cq(self, cqe: int) -> "CQ":
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _query(self) -> DeviceInfo:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
 
 class PD(Resource):
@@ -88,11 +92,13 @@ class PD(Resource):
                 raise UsageError("CQ belongs to another context")
         return self._create_qp(send_cq, recv_cq, cap)
 
+    @abc.abstractmethod
     def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> "MR":
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _create_qp(self, send_cq: "CQ", recv_cq: "CQ", cap: QPCap) -> "QP":
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
 
 class MR(Resource):
@@ -190,8 +196,9 @@ class CQ(Resource):
                 raise PollTimeout(f"got {len(out)} of {n} completions within {timeout_s:.3f} s") from None
         return out
 
+    @abc.abstractmethod
     def _poll(self, max_entries: int) -> List[WC]:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
     def _wait(self, timeout_s: float, max_entries: int) -> List[WC]:
         # busy-poll with a growing sleep: bounded, never forever
@@ -311,20 +318,25 @@ class QP(Resource):
         lst = self._sges(sges, self.cap.max_recv_sge) if sges != [] else []
         self._post_recv(lst, wr_id)
 
+    @abc.abstractmethod
     def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _info(self) -> QPInfo:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _connect(self, remote: QPInfo, timeout_s: float) -> None:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
+    @abc.abstractmethod
     def _state(self) -> QPState:
-        raise NotImplementedError
+        \"\"\"Provider hook.\"\"\"
 
 
 OPCODE_OF = {"send": WCOpcode.SEND, "write": WCOpcode.RDMA_WRITE, "read": WCOpcode.RDMA_READ}

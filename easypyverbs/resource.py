@@ -6,6 +6,7 @@ closes the children first (QP, MR, CQ, PD, then the Context), is idempotent, and
 """
 from __future__ import annotations
 
+import abc
 import threading
 import weakref
 from typing import List, Optional
@@ -22,7 +23,7 @@ def live_resources() -> List["Resource"]:
         return [r for r in list(_LIVE) if not r.closed]
 
 
-class Resource:
+class Resource(abc.ABC):
     """Base of Context, PD, MR, CQ and QP."""
 
     #: lower closes first among siblings: QPs before MRs before CQs before PDs

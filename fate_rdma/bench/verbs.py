@@ -27,11 +27,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 5, quick 3)")
     p.add_argument("--window", type=int, default=32, help="WRITEs in flight (default 32)")
     p.add_argument("--link", default=None, help="soft provider link model, e.g. rate=10gbit,rtt=20ms")
+    p.add_argument("--sizes", default=None, help="message sizes, e.g. 4K,1M,4M (default 4K..64M)")
+    p.add_argument("--max-bytes", type=int, default=None, help="cap on bytes moved per repetition")
 
 
-def _volume(size: int, quick: bool) -> int:
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
+    try:
+        return int(float(text.rstrip("KMG")) * mult)
+    except ValueError:
+        raise SystemExit(f"fate-rdma bench verbs: bad size {text!r} (try 4K, 1M, 64M)")
+
+
+def _volume(size: int, quick: bool, cap: "int | None" = None) -> int:
     lo, hi = (16 * MiB, 128 * MiB) if quick else (64 * MiB, 512 * MiB)
-    return max(lo, min(hi, size * 64))
+    vol = max(lo, min(hi, size * 64))
+    return max(size, min(vol, cap)) if cap else vol
 
 
 def providers(spec: str) -> List[str]:
@@ -43,7 +55,7 @@ def providers(spec: str) -> List[str]:
 
 def run(args: argparse.Namespace) -> int:
     reps = args.reps or (3 if args.quick else 5)
-    sizes = SIZES
+    sizes = [_parse_size(x) for x in args.sizes.split(",")] if args.sizes else SIZES
     src_buf = np.random.default_rng(0).integers(0, 256, max(sizes), dtype=np.uint8)
     rows: List[Dict[str, Any]] = []
     samples: Dict[Any, List[float]] = {}
@@ -58,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 remote = rc.remote_mrs["dst"]
                 for rep in range(reps + 1):  # rep 0 warms up connections, caches and page tables
                     for size in sizes:
-                        vol = _volume(size, args.quick)
+                        vol = _volume(size, args.quick, args.max_bytes)
                         if len(samples.get(("raw_tcp", "tcp", size), [])) < reps:
                             dt = raw.stream(memoryview(src_buf), size, vol, max(sizes))
                             if rep:
@@ -77,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                     g = samples[key]
                     row = {"bench": "verbs", "method": method, "provider": pname, "emulated": emu, "label": lab,
                            "msg_bytes": size, "gbps": round(median(g), 3), "gbps_min": round(min(g), 3),
-                           "gbps_max": round(max(g), 3), "reps": len(g), "bytes_per_rep": _volume(size, args.quick),
+                           "gbps_max": round(max(g), 3), "reps": len(g), "bytes_per_rep": _volume(size, args.quick, args.max_bytes),
                            "link": args.link or "loopback"}
                     rows.append(row)
                     emit(row)

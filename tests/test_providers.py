@@ -1,0 +1,69 @@
+"""Provider selection, the pyverbs "no device" path, and doctor."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import easypyverbs as ev
+from easypyverbs.providers import pyverbs_provider as pv
+
+
+def test_auto_picks_soft_without_device_and_says_why():
+    ok, why, devices = pv.status()
+    if devices:
+        pytest.skip("this machine has an RDMA device")
+    chosen, reason = ev.choose_provider("auto")
+    assert chosen == "soft" and "no RDMA device" in reason
+    with ev.open_device() as ctx:
+        assert ctx.provider == "soft" and ctx.emulated and ctx.label == "soft (emulated verbs over TCP)"
+
+
+def test_pyverbs_without_device_is_a_clear_error():
+    ok, why, devices = pv.status()
+    if devices:
+        pytest.skip("this machine has an RDMA device")
+    with pytest.raises(ev.NoDeviceError, match="pyverbs provider: .*(no RDMA device|not importable)"):
+        ev.open_device(provider="pyverbs")
+
+
+def test_pyverbs_imports_from_system_rdma_core():
+    """make test runs deploy/install-rdma-core.sh, so pyverbs must import inside the venv."""
+    ok, why, _ = pv.status()
+    if not ok:
+        pytest.skip(f"pyverbs not installed here: {why}")
+    e = pv._enums()
+    assert e.IBV_WC_REM_ACCESS_ERR == ev.WCStatus.REM_ACCESS_ERR
+    assert e.IBV_WC_RNR_RETRY_EXC_ERR == ev.WCStatus.RNR_RETRY_EXC_ERR
+    assert e.IBV_ACCESS_REMOTE_WRITE == ev.Access.REMOTE_WRITE
+    assert e.IBV_WC_RECV_RDMA_WITH_IMM == ev.WCOpcode.RECV_RDMA_WITH_IMM
+
+
+def test_unknown_provider_and_link_misuse():
+    with pytest.raises(ev.UsageError, match="unknown provider"):
+        ev.open_device(provider="magic")
+    if not pv.status()[2]:
+        with pytest.raises((ev.UsageError, ev.NoDeviceError)):
+            ev.open_device(provider="pyverbs", link="rate=1gbit")
+
+
+@pytest.mark.parametrize("cmd", [["fate_rdma.cli", "doctor"], ["easypyverbs", "doctor"]])
+def test_doctor_cli(cmd):
+    out = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "soft" in out.stdout and "emulat" in out.stdout and "auto picks" in out.stdout
+
+
+def test_doctor_json():
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "doctor", "--json"], capture_output=True, text=True, timeout=60)
+    rep = json.loads(out.stdout)
+    assert rep["soft"]["emulated"] is True and rep["auto"]["provider"] in ("soft", "pyverbs")
+
+
+def test_cli_help_and_usage_errors():
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "doctor" in out.stdout and "bench" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "nope"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
