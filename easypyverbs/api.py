@@ -53,15 +53,15 @@ class Context(Resource):
 
     @abc.abstractmethod
     def _alloc_pd(self) -> "PD":
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _create_cq(self, cqe: int) -> "CQ":
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _query(self) -> DeviceInfo:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
 
 class PD(Resource):
@@ -94,11 +94,11 @@ class PD(Resource):
 
     @abc.abstractmethod
     def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> "MR":
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _create_qp(self, send_cq: "CQ", recv_cq: "CQ", cap: QPCap) -> "QP":
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
 
 class MR(Resource):
@@ -198,7 +198,7 @@ class CQ(Resource):
 
     @abc.abstractmethod
     def _poll(self, max_entries: int) -> List[WC]:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     def _wait(self, timeout_s: float, max_entries: int) -> List[WC]:
         # busy-poll with a growing sleep: bounded, never forever
@@ -320,23 +320,23 @@ class QP(Resource):
 
     @abc.abstractmethod
     def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _info(self) -> QPInfo:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _connect(self, remote: QPInfo, timeout_s: float) -> None:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
     @abc.abstractmethod
     def _state(self) -> QPState:
-        \"\"\"Provider hook.\"\"\"
+        """Provider hook."""
 
 
 OPCODE_OF = {"send": WCOpcode.SEND, "write": WCOpcode.RDMA_WRITE, "read": WCOpcode.RDMA_READ}
