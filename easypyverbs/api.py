@@ -169,6 +169,15 @@ class CQ(Resource):
         super().__init__(ctx)
         self.ctx = ctx
         self.cqe = cqe
+        self._woken = False
+
+    def wake(self) -> None:
+        """Make a thread blocked in `wait` return early (with no completions): a doorbell for event loops."""
+        self._woken = True
+        self._notify()
+
+    def _notify(self) -> None:
+        """Provider hook for `wake`: the base `_wait` polls, so it needs nothing."""
 
     def poll(self, max_entries: int = 16) -> List[WC]:
         """Up to `max_entries` completions that are ready now (never blocks)."""
@@ -176,7 +185,10 @@ class CQ(Resource):
         return self._poll(max_entries)
 
     def wait(self, timeout_s: float, max_entries: int = 16) -> List[WC]:
-        """At least one completion, waiting up to `timeout_s`; raises `PollTimeout` after that."""
+        """At least one completion, waiting up to `timeout_s`; raises `PollTimeout` after that.
+
+        Returns an empty list early if `wake()` was called meanwhile.
+        """
         self._check_open()
         if timeout_s < 0:
             raise UsageError("timeout_s must be >= 0")
@@ -208,6 +220,9 @@ class CQ(Resource):
             got = self._poll(max_entries)
             if got:
                 return got
+            if self._woken:
+                self._woken = False
+                return []
             now = time.monotonic()
             if now >= deadline:
                 raise PollTimeout(f"no completion within {timeout_s:.3f} s")

@@ -24,11 +24,14 @@ class RCConnection:
     peer_extra: Dict[str, Any]
     own_pd: bool = True
     owns_bootstrap: bool = True
+    owns_cqs: bool = True
 
     def close(self) -> None:
         """Close the QP (draining posted sends), CQs, the PD if it was made here, and the socket."""
-        for r in (self.qp, self.send_cq, self.recv_cq):
-            r.close()
+        self.qp.close()
+        if self.owns_cqs:
+            self.send_cq.close()
+            self.recv_cq.close()
         if self.own_pd:
             self.pd.close()
         if self.owns_bootstrap:
@@ -55,20 +58,25 @@ def establish(
     pd: Optional[PD] = None,
     timeout_s: float = 10.0,
     owns_bootstrap: bool = True,
+    cq: Optional[CQ] = None,
 ) -> RCConnection:
     """Create a QP, swap QPInfo + MR descriptors + `extra` with the peer, connect, and barrier.
 
     Both sides call it on their ends of `conn`. MRs in `mrs` must belong to `pd` (if given).
-    With `owns_bootstrap=False` the connection's close leaves `conn` open for further use.
+    With `owns_bootstrap=False` the connection's close leaves `conn` open for further use. With `cq`,
+    that CQ (not owned) takes both send and receive completions, e.g. one CQ for several QPs.
     """
     own_pd = pd is None
     pd = pd or ctx.alloc_pd()
     made = []
     try:
-        send_cq = ctx.create_cq(cqe)
-        made.append(send_cq)
-        recv_cq = ctx.create_cq(cqe)
-        made.append(recv_cq)
+        if cq is not None:
+            send_cq = recv_cq = cq
+        else:
+            send_cq = ctx.create_cq(cqe)
+            made.append(send_cq)
+            recv_cq = ctx.create_cq(cqe)
+            made.append(recv_cq)
         qp = pd.create_qp(send_cq, recv_cq, cap)
         made.append(qp)
         info = qp.info()
@@ -85,7 +93,8 @@ def establish(
         ack = conn.exchange({"ready": True}, timeout_s)  # both QPs in RTS before either side posts
         if ack.get("ready") is not True:
             raise BootstrapError("peer did not confirm the connection")
-        return RCConnection(ctx, pd, send_cq, recv_cq, qp, conn, remote_mrs, theirs.get("extra", {}), own_pd, owns_bootstrap)
+        return RCConnection(ctx, pd, send_cq, recv_cq, qp, conn, remote_mrs, theirs.get("extra", {}), own_pd, owns_bootstrap,
+                            cq is None)
     except (EasyVerbsError, OSError):
         for r in reversed(made):
             r.abort()

@@ -190,6 +190,9 @@ class SoftCQ(CQ):
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while not self._q and not self._overrun and not self.closed:
+                if self._woken:
+                    self._woken = False
+                    return []
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PollTimeout(f"no completion within {timeout_s:.3f} s")
@@ -197,6 +200,9 @@ class SoftCQ(CQ):
             self._check_open()
             return self._take(max_entries)
 
-    def _close_impl(self) -> None:
+    def _notify(self) -> None:
         with self._cv:
             self._cv.notify_all()
+
+    def _close_impl(self) -> None:
+        self._notify()

@@ -1,0 +1,135 @@
+"""What the channel hands its users: TransferFuture (outgoing) and Message (incoming), and the
+payload helper that turns a list of buffers into registered MRs and SGE lists without copying."""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import easypyverbs as ev
+
+Buffers = Union[bytes, bytearray, memoryview, Any, Sequence[Any]]
+
+
+class Payload:
+    """The caller's buffers registered (zero copy) as one virtual byte range."""
+
+    def __init__(self, pd: ev.PD, buffers: Buffers) -> None:
+        if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, (list, tuple)):
+            buffers = [buffers]
+        self.mrs: List[ev.MR] = []
+        self.starts: List[int] = []
+        total = 0
+        try:
+            for b in buffers:
+                view = ev.buffers.as_byte_view(b)
+                if view.nbytes == 0:
+                    continue
+                self.mrs.append(pd.reg_mr(b, ev.Access(0)))  # local read only: works for read-only bytes too
+                self.starts.append(total)
+                total += view.nbytes
+        except Exception:
+            self.close()
+            raise
+        self.total = total
+
+    def sges(self, offset: int, length: int) -> List[ev.SGE]:
+        """SGEs covering [offset, offset+length) of the virtual payload (across buffer boundaries)."""
+        out: List[ev.SGE] = []
+        end = offset + length
+        for mr, start in zip(self.mrs, self.starts):
+            lo, hi = max(offset, start), min(end, start + mr.length)
+            if lo < hi:
+                out.append(mr.sge(lo - start, hi - lo))
+        return out
+
+    def views(self) -> List[memoryview]:
+        return [mr.view() for mr in self.mrs]
+
+    def close(self) -> None:
+        for mr in self.mrs:
+            mr.close()
+        self.mrs = []
+
+
+class TransferFuture(concurrent.futures.Future):
+    """An outgoing transfer: `result(timeout)`, `cancel()`, `add_done_callback`, progress in bytes."""
+
+    def __init__(self, transfer_id: int, total_bytes: int, canceller: Callable[["TransferFuture"], None]) -> None:
+        super().__init__()
+        self.transfer_id = transfer_id
+        self.total_bytes = total_bytes
+        self.progress_bytes = 0
+        self.mode = ""
+        self.window = 0
+        self.chunks = 0
+        self._canceller = canceller
+        self._progress_cbs: List[Callable[[int, int], None]] = []
+
+    def add_progress_callback(self, fn: Callable[[int, int], None]) -> None:
+        """fn(progress_bytes, total_bytes), called from the channel's thread as chunks complete."""
+        self._progress_cbs.append(fn)
+
+    def _progress(self, nbytes: int) -> None:
+        self.progress_bytes = nbytes
+        for fn in self._progress_cbs:
+            fn(nbytes, self.total_bytes)
+
+    def cancel(self) -> bool:
+        """Stop the transfer and tell the peer; the future then raises TransferCancelled."""
+        if self.done():
+            return False
+        self._canceller(self)
+        return True
+
+
+class Message:
+    """An incoming transfer: metadata, a zero-copy view of the payload, and `release()`.
+
+    FedRDMA-E: the view is the receive slot itself; release it promptly, the sender waits for free
+    slots. Copy (`bytes(msg.view)`) if the data must outlive the message.
+    """
+
+    def __init__(self, peer: str, transfer_id: int, metadata: Dict[str, Any], view: memoryview, mode: str,
+                 releaser: Optional[Callable[[], None]] = None) -> None:
+        self.peer = peer
+        self.transfer_id = transfer_id
+        self.metadata = metadata
+        self.view = view
+        self.mode = mode
+        self._releaser = releaser
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.nbytes
+
+    def release(self) -> None:
+        with self._lock:
+            fn, self._releaser = self._releaser, None
+        self.view = memoryview(b"")
+        if fn is not None:
+            fn()
+
+    def __enter__(self) -> "Message":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Message {self.transfer_id} from {self.peer}: {self.nbytes} bytes, {self.mode}>"
+
+
+def group_sges(sges: List[ev.SGE], max_sge: int) -> List[List[ev.SGE]]:
+    """Split an SGE list into WRs of at most `max_sge` elements."""
+    return [sges[i:i + max_sge] for i in range(0, len(sges), max_sge)] or [[]]
+
+
+def remote_pieces(groups: List[List[ev.SGE]], start: int) -> List[Tuple[List[ev.SGE], int]]:
+    """Pair each WR's SGEs with its remote offset, consecutive from `start`."""
+    out, off = [], start
+    for g in groups:
+        out.append((g, off))
+        off += sum(s.length for s in g)
+    return out

@@ -1,0 +1,112 @@
+"""Channel configuration: one frozen dataclass that rejects inconsistent values.
+
+Loaded from YAML (`conf/`) only at the edges (CLI, FATE glue); library code receives the object.
+Defaults and the network each was chosen for are written beside them (STYLE.md §4).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Union
+
+from .errors import ConfigError
+
+MiB = 1 << 20
+MODES = ("fedrdma", "fedrdma-e")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelConfig:
+    #: "fedrdma-e" (receive-slot pool, zero copy) or "fedrdma" (staging + reassembly)
+    mode: str = "fedrdma-e"
+    #: 4 MiB: the paper's best chunk from 4 Gbit/s up; small enough to survive a lossy WAN per chunk
+    chunk_bytes: int = 4 * MiB
+    #: chunks in flight; "auto" = bandwidth-delay product / chunk (+1), from an RTT probe at connect time
+    window: Union[int, str] = "auto"
+    #: upper bound of the automatic window; 64 x 4 MiB = 256 MiB covers 10 Gbit/s x 200 ms
+    max_window: int = 64
+    #: lower bound of the automatic window: keeps a fast LAN's pipeline busy when the BDP is under a chunk
+    min_auto_window: int = 4
+    #: queue pairs per peer, chunks striped across them (several NIC ports or paths where present)
+    qps_per_peer: int = 1
+    #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate
+    link_enable: Union[bool, str] = "auto"
+    #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s
+    link_rate_bps: Optional[float] = None
+    #: "crc32c" end-to-end checksum of every transfer (hardware-accelerated), or "none"
+    checksum: str = "crc32c"
+    #: FedRDMA-E receive slots per peer, and the largest payload one slot takes
+    pool_slots: int = 2
+    slot_bytes: int = 256 * MiB
+    #: FedRDMA: largest payload accepted (the destination is allocated per transfer)
+    max_payload_bytes: int = 64 << 30
+    #: FedRDMA-E payload larger than a slot: "error" (PayloadTooLarge) or "fedrdma" (send that one chunked+staged)
+    too_large: str = "error"
+    no_progress_timeout_s: float = 30.0
+    transfer_timeout_s: float = 3600.0
+    connect_timeout_s: float = 10.0
+    #: verbs provider: "auto", "pyverbs" or "soft"; device name for pyverbs
+    provider: str = "auto"
+    device: Optional[str] = None
+    #: soft provider link model, e.g. "rate=10gbit,rtt=20ms" (emulation only)
+    soft_link: Optional[str] = None
+    #: progress bar for long transfers (CLI); off in library use
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ConfigError(f"fate-rdma config: {msg}")
+
+        if self.mode not in MODES:
+            bad(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 4096 <= self.chunk_bytes <= 1 << 30:
+            bad(f"chunk_bytes must be within [4096, 1 GiB], got {self.chunk_bytes}")
+        if self.window != "auto" and (not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1):
+            bad(f"window must be 'auto' or an integer >= 1, got {self.window!r}")
+        if not 1 <= self.min_auto_window <= self.max_window <= 1024:
+            bad(f"need 1 <= min_auto_window <= max_window <= 1024, got {self.min_auto_window}, {self.max_window}")
+        if isinstance(self.window, int) and self.window > self.max_window:
+            bad(f"window {self.window} exceeds max_window {self.max_window}")
+        if not 1 <= self.qps_per_peer <= 16:
+            bad(f"qps_per_peer must be within [1, 16], got {self.qps_per_peer}")
+        if self.link_enable not in (True, False, "auto"):
+            bad(f"link_enable must be true, false or 'auto', got {self.link_enable!r}")
+        if self.link_rate_bps is not None and self.link_rate_bps <= 0:
+            bad("link_rate_bps must be positive")
+        if self.checksum not in ("crc32c", "none"):
+            bad(f"checksum must be 'crc32c' or 'none', got {self.checksum!r}")
+        if not 1 <= self.pool_slots <= 1024:
+            bad(f"pool_slots must be within [1, 1024], got {self.pool_slots}")
+        if self.slot_bytes < 1:
+            bad("slot_bytes must be positive")
+        if self.too_large not in ("error", "fedrdma"):
+            bad(f"too_large must be 'error' or 'fedrdma', got {self.too_large!r}")
+        for name in ("no_progress_timeout_s", "transfer_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be positive")
+        if self.no_progress_timeout_s > self.transfer_timeout_s:
+            bad("no_progress_timeout_s exceeds transfer_timeout_s")
+        if self.provider not in ("auto", "pyverbs", "soft"):
+            bad(f"provider must be auto, pyverbs or soft, got {self.provider!r}")
+        if self.soft_link and self.provider == "pyverbs":
+            bad("soft_link applies to the soft provider only")
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ChannelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"fate-rdma config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str, section: Optional[str] = "channel") -> "ChannelConfig":
+        import yaml
+
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+        if section:
+            doc = doc.get(section, {})
+        return cls.from_dict(doc)
+
+    def replace(self, **kw: Any) -> "ChannelConfig":
+        return dataclasses.replace(self, **kw)

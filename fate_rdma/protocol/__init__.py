@@ -1,0 +1,16 @@
+"""The sans-IO protocol of fate-rdma: frames, events, and one state machine per transfer mode.
+
+No socket, thread, asyncio, time, grpc, fate or easypyverbs import here (a test enforces it): the
+machines take bytes, completions and clock readings, and answer with the work to do.
+"""
+from .chunking import Chunk, plan_chunks
+from .fedrdma import FedRdmaReceiver, FedRdmaSender
+from .fedrdma_e import FedRdmaEReceiver, FedRdmaESender, SlotRing
+from .frames import (CTRL, HEADER, Ctrl, CtrlKind, Header, HeaderKind, decode_ctrl, decode_header,
+                     encode_ctrl, encode_header)
+
+__all__ = [
+    "CTRL", "Chunk", "Ctrl", "CtrlKind", "FedRdmaEReceiver", "FedRdmaESender", "FedRdmaReceiver",
+    "FedRdmaSender", "HEADER", "Header", "HeaderKind", "SlotRing", "decode_ctrl", "decode_header",
+    "encode_ctrl", "encode_header", "plan_chunks",
+]

@@ -1,0 +1,231 @@
+"""FedRDMA (paper §3.1): chunks with a header each, staged and reassembled, one ACK per chunk.
+
+Beyond the paper: a window of W chunks in flight (W=1 is the paper's stop-and-wait), a no-progress
+deadline and a total deadline, cancellation, and per-chunk crc32c.
+
+Sender states (transitions in `_SENDER_TRANSITIONS`; anything else is a LocalProtocolError):
+    SENDING --all ACKed--> DONE;  SENDING --cancel--> CANCELLED;  SENDING --error--> FAILED
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Dict, List, Optional, Set
+
+import crc32c
+
+from ..errors import (IntegrityError, LocalProtocolError, RemoteProtocolError, TransferCancelled,
+                      TransferTimeout)
+from .chunking import Chunk, plan_chunks
+from .frames import Header, HeaderKind
+
+
+class SendState(enum.Enum):
+    SENDING = "sending"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+_SENDER_TRANSITIONS = {
+    (SendState.SENDING, "complete"): SendState.DONE,
+    (SendState.SENDING, "cancel"): SendState.CANCELLED,
+    (SendState.SENDING, "fail"): SendState.FAILED,
+}
+
+
+class _Deadlines:
+    """No-progress and total deadlines, fed by the caller's clock."""
+
+    def __init__(self, now: float, no_progress_s: float, total_s: float) -> None:
+        self.start = self.last_progress = now
+        self.no_progress_s, self.total_s = no_progress_s, total_s
+
+    def progress(self, now: float) -> None:
+        self.last_progress = now
+
+    def check(self, now: float, tid: int) -> None:
+        if now - self.last_progress > self.no_progress_s:
+            raise TransferTimeout(f"transfer {tid}: no progress for {now - self.last_progress:.1f} s "
+                                  f"(limit {self.no_progress_s:g} s)", tid)
+        if now - self.start > self.total_s:
+            raise TransferTimeout(f"transfer {tid}: not done after {now - self.start:.1f} s (limit {self.total_s:g} s)", tid)
+
+
+class SenderBase:
+    """State shared by both modes' senders: the plan, the state table, deadlines and progress."""
+
+    def __init__(self, transfer_id: int, chunks: List[Chunk], window: int, now: float,
+                 no_progress_s: float, total_s: float) -> None:
+        if window < 1:
+            raise LocalProtocolError(f"window must be >= 1, got {window}")
+        self.transfer_id = transfer_id
+        self.chunks = chunks
+        self.total = sum(c.length for c in chunks)
+        self.window = window
+        self.state = SendState.SENDING
+        self.error: Optional[BaseException] = None
+        self._deadlines = _Deadlines(now, no_progress_s, total_s)
+        self.done_bytes = 0
+        self._in_flight: Set[int] = set()
+        self._done: Set[int] = set()
+
+    def _move(self, event: str) -> None:
+        nxt = _SENDER_TRANSITIONS.get((self.state, event))
+        if nxt is None:
+            raise LocalProtocolError(f"transfer {self.transfer_id}: {event!r} not allowed in state {self.state.value}")
+        self.state = nxt
+
+    @property
+    def finished(self) -> bool:
+        return self.state is not SendState.SENDING
+
+    def cancel(self, reason: str = "cancelled by sender") -> None:
+        if self.state is SendState.SENDING:
+            self._move("cancel")
+            self.error = TransferCancelled(f"transfer {self.transfer_id}: {reason}", self.transfer_id)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.state is SendState.SENDING:
+            self._move("fail")
+            self.error = exc
+
+    def tick(self, now: float) -> None:
+        """Check the deadlines; a passed deadline fails the transfer (and is raised)."""
+        if self.state is SendState.SENDING:
+            try:
+                self._deadlines.check(now, self.transfer_id)
+            except TransferTimeout as exc:
+                self.fail(exc)
+                raise
+
+    def _chunk_done(self, seq: int, now: float) -> bool:
+        """Mark a chunk done; False for a duplicate. Unknown chunks are the peer's fault."""
+        if not 0 <= seq < len(self.chunks):
+            raise RemoteProtocolError(f"transfer {self.transfer_id}: completion for chunk {seq} of {len(self.chunks)}")
+        if seq in self._done:
+            return False
+        if seq not in self._in_flight:
+            raise RemoteProtocolError(f"transfer {self.transfer_id}: chunk {seq} completed but was never sent")
+        self._in_flight.discard(seq)
+        self._done.add(seq)
+        self.done_bytes += self.chunks[seq].length
+        self._deadlines.progress(now)
+        if len(self._done) == len(self.chunks):
+            self._move("complete")
+        return True
+
+
+class FedRdmaSender(SenderBase):
+    """Posts chunks in order, at most `window` un-ACKed."""
+
+    def __init__(self, transfer_id: int, total: int, chunk_bytes: int, window: int, now: float,
+                 first_chunk_bytes: int = 0, no_progress_s: float = 30.0, total_s: float = 3600.0) -> None:
+        super().__init__(transfer_id, plan_chunks(total, chunk_bytes, first_chunk_bytes), window, now,
+                         no_progress_s, total_s)
+        self._next = 0
+
+    def next_chunks(self) -> List[Chunk]:
+        """Chunks to post now (the window permitting); each becomes in flight."""
+        out = []
+        while self.state is SendState.SENDING and self._next < len(self.chunks) and len(self._in_flight) < self.window:
+            c = self.chunks[self._next]
+            self._in_flight.add(c.seq)
+            self._next += 1
+            out.append(c)
+        return out
+
+    def header(self, chunk: Chunk, meta_len: int, crc: Optional[int], meta_crc: int = 0) -> Header:
+        return Header(HeaderKind.CHUNK, self.transfer_id, chunk.seq, len(self.chunks), chunk.offset, chunk.length,
+                      meta_len if chunk.seq == 0 else 0, self.total, crc or 0, meta_crc if chunk.seq == 0 else 0,
+                      crc is not None)
+
+    def on_ack(self, seq: int, now: float) -> bool:
+        """An ACK arrived; returns False for a duplicate ACK (ignored)."""
+        if self.state is not SendState.SENDING:
+            return False
+        return self._chunk_done(seq, now)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Chunk bytes to copy into the transfer's destination at `offset`; then ACK `seq`."""
+
+    transfer_id: int
+    seq: int
+    offset: int
+    first: bool  # the first chunk seen of this transfer: allocate the destination (hdr.total) first
+    complete: bool  # the last missing chunk: the transfer is whole
+
+
+@dataclasses.dataclass
+class _Partial:
+    total: int
+    nchunks: int
+    got: Set[int]
+    last_progress: float
+    meta_len: int
+
+
+class FedRdmaReceiver:
+    """Reassembly bookkeeping for every transfer arriving on one connection.
+
+    `on_chunk` validates a chunk against what is known of its transfer and says where it goes; a
+    duplicate (a resent chunk) answers None: re-ACK it, do not copy it again.
+    """
+
+    def __init__(self, max_total_bytes: int, no_progress_s: float = 30.0, verify_crc: bool = True) -> None:
+        self.max_total_bytes = max_total_bytes
+        self.no_progress_s = no_progress_s
+        self.verify_crc = verify_crc
+        self._partial: Dict[int, _Partial] = {}
+        self._finished: Set[int] = set()
+        self._cancelled: Set[int] = set()
+
+    def on_chunk(self, hdr: Header, data: memoryview, now: float) -> Optional[Placed]:
+        if hdr.kind is not HeaderKind.CHUNK:
+            raise RemoteProtocolError(f"transfer {hdr.transfer_id}: FedRDMA expects CHUNK headers, got {hdr.kind.name}")
+        if len(data) != hdr.length:
+            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: header says {hdr.length} bytes, "
+                                      f"{len(data)} arrived")
+        if hdr.transfer_id in self._finished or hdr.transfer_id in self._cancelled:
+            return None  # a late duplicate of a finished or cancelled transfer
+        if self.verify_crc and hdr.has_crc and crc32c.crc32c(data) != hdr.crc:
+            self._partial.pop(hdr.transfer_id, None)
+            self._cancelled.add(hdr.transfer_id)
+            raise IntegrityError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: crc32c mismatch", hdr.transfer_id)
+        p = self._partial.get(hdr.transfer_id)
+        first = p is None
+        if first:
+            if hdr.total > self.max_total_bytes:
+                raise RemoteProtocolError(f"transfer {hdr.transfer_id}: {hdr.total} bytes exceed this receiver's "
+                                          f"limit of {self.max_total_bytes}")
+            p = self._partial[hdr.transfer_id] = _Partial(hdr.total, hdr.nchunks, set(), now, 0)
+        elif (p.total, p.nchunks) != (hdr.total, hdr.nchunks):
+            raise RemoteProtocolError(f"transfer {hdr.transfer_id}: chunk {hdr.seq} disagrees on size "
+                                      f"({hdr.total}/{hdr.nchunks} vs {p.total}/{p.nchunks})")
+        if hdr.seq in p.got:
+            return None
+        p.got.add(hdr.seq)
+        p.last_progress = now
+        complete = len(p.got) == p.nchunks
+        if complete:
+            del self._partial[hdr.transfer_id]
+            self._finished.add(hdr.transfer_id)
+        return Placed(hdr.transfer_id, hdr.seq, hdr.offset, first, complete)
+
+    def received_bytes(self, transfer_id: int) -> int:
+        p = self._partial.get(transfer_id)
+        return 0 if p is None else len(p.got)
+
+    def cancel(self, transfer_id: int) -> bool:
+        """Forget a partial transfer (the peer or this side cancelled it). True if it was in progress."""
+        self._cancelled.add(transfer_id)
+        return self._partial.pop(transfer_id, None) is not None
+
+    def expired(self, now: float) -> List[int]:
+        """Partial transfers with no chunk for `no_progress_s`: dropped, ids returned."""
+        dead = [tid for tid, p in self._partial.items() if now - p.last_progress > self.no_progress_s]
+        for tid in dead:
+            self.cancel(tid)
+        return dead

@@ -1,0 +1,138 @@
+"""Wire frames. Every frame starts with magic 0xFD4A and a version byte, so garbage fails fast.
+
+HEADER `!HBBHHQIIQIIQII` (64 bytes): precedes every FedRDMA chunk, and sits at offset 0 of a
+FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WITH_IMM).
+
+    magic        u16  0xFD4A
+    version      u8   1
+    kind         u8   HeaderKind: CHUNK (FedRDMA) or SLOT (FedRDMA-E)
+    flags        u16  bit 0: crc is set (checksums on)
+    reserved     u16  0
+    transfer_id  u64  unique per sender and connection
+    seq          u32  chunk number (0-based); FedRDMA-E: always 0
+    nchunks      u32  chunks in the transfer
+    offset       u64  where this chunk's bytes go in the payload
+    length       u32  bytes of payload in this chunk
+    meta_len     u32  bytes of metadata after the header (chunk 0 / the slot only)
+    total        u64  payload bytes of the whole transfer
+    crc          u32  crc32c: of this chunk (FedRDMA) or of the whole payload (FedRDMA-E)
+    meta_crc     u32  crc32c of the metadata bytes (0 when there are none)
+    reserved2    u32  0
+    reserved3    u32  0 (keeps the header 64 bytes)
+
+CTRL `!HBBHHQQQ` (32 bytes), then for ERROR up to `MAX_REASON` bytes of UTF-8: control messages
+that travel as SENDs on the first QP of a connection.
+
+    magic u16, version u8, kind u8 (CtrlKind), flags u16, reserved u16,
+    transfer_id u64, value u64 (ACK: seq; CREDIT: slot; ERROR: code; PROBE: nonce), aux u64
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+from ..errors import RemoteProtocolError
+
+MAGIC = 0xFD4A
+VERSION = 1
+HEADER = struct.Struct("!HBBHHQIIQIIQIIII")
+CTRL = struct.Struct("!HBBHHQQQ")
+FLAG_CRC = 1
+#: metadata rides in the header area of a FedRDMA-E slot; 64 KiB is plenty for names, tags and gRPC metadata
+MAX_META = 64 * 1024
+MAX_REASON = 1024
+MAX_CHUNK = (1 << 32) - 1
+
+
+class HeaderKind(enum.IntEnum):
+    CHUNK = 1
+    SLOT = 2
+
+
+class CtrlKind(enum.IntEnum):
+    ACK = 1  # FedRDMA: chunk `value` of `transfer_id` is placed
+    CREDIT = 2  # FedRDMA-E: receive slot `value` is free again
+    CANCEL = 3  # either side: abandon `transfer_id`
+    ERROR = 4  # receiver -> sender: `transfer_id` failed with code `value` (ErrorCode), reason follows
+    PROBE = 5  # RTT probe, echoed as PROBE_REPLY with the same nonce in `value`
+    PROBE_REPLY = 6
+
+
+class ErrorCode(enum.IntEnum):
+    INTEGRITY = 1
+    TOO_LARGE = 2
+    PROTOCOL = 3
+    TIMEOUT = 4
+    INTERNAL = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    kind: HeaderKind
+    transfer_id: int
+    seq: int
+    nchunks: int
+    offset: int
+    length: int
+    meta_len: int
+    total: int
+    crc: int = 0
+    meta_crc: int = 0
+    has_crc: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctrl:
+    kind: CtrlKind
+    transfer_id: int
+    value: int = 0
+    aux: int = 0
+    reason: str = ""
+
+
+def encode_header(h: Header) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, int(h.kind), FLAG_CRC if h.has_crc else 0, 0, h.transfer_id, h.seq,
+                       h.nchunks, h.offset, h.length, h.meta_len, h.total, h.crc, h.meta_crc, 0, 0)
+
+
+def decode_header(buf: bytes) -> Header:
+    """Parse and validate a HEADER; anything inconsistent is a RemoteProtocolError."""
+    if len(buf) < HEADER.size:
+        raise RemoteProtocolError(f"header of {len(buf)} bytes, need {HEADER.size}")
+    (magic, version, kind, flags, _, tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc,
+     _, _) = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {magic:#06x} in header (expected {MAGIC:#06x})")
+    if version != VERSION:
+        raise RemoteProtocolError(f"header version {version}, this side speaks {VERSION}")
+    if kind not in HeaderKind.__members__.values():
+        raise RemoteProtocolError(f"unknown header kind {kind}")
+    if nchunks < 1 or seq >= nchunks:
+        raise RemoteProtocolError(f"chunk {seq} of {nchunks}: out of range")
+    if offset + length > total:
+        raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) beyond total {total}")
+    if meta_len > MAX_META:
+        raise RemoteProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META}")
+    if meta_len and seq != 0:
+        raise RemoteProtocolError("metadata on a chunk other than chunk 0")
+    return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc, bool(flags & FLAG_CRC))
+
+
+def encode_ctrl(c: Ctrl) -> bytes:
+    reason = c.reason.encode()[:MAX_REASON]
+    return CTRL.pack(MAGIC, VERSION, int(c.kind), 0, len(reason), c.transfer_id, c.value, c.aux) + reason
+
+
+def decode_ctrl(buf: bytes) -> Ctrl:
+    if len(buf) < CTRL.size:
+        raise RemoteProtocolError(f"control frame of {len(buf)} bytes, need {CTRL.size}")
+    magic, version, kind, _, rlen, tid, value, aux = CTRL.unpack_from(buf)
+    if magic != MAGIC or version != VERSION:
+        raise RemoteProtocolError(f"bad control frame (magic {magic:#06x}, version {version})")
+    if kind not in CtrlKind.__members__.values():
+        raise RemoteProtocolError(f"unknown control kind {kind}")
+    if rlen > MAX_REASON or CTRL.size + rlen > len(buf):
+        raise RemoteProtocolError(f"control frame reason of {rlen} bytes does not fit")
+    reason = bytes(buf[CTRL.size:CTRL.size + rlen]).decode("utf-8", "replace")
+    return Ctrl(CtrlKind(kind), tid, value, aux, reason)
