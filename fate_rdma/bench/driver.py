@@ -14,13 +14,13 @@ import easypyverbs as ev
 class PeerProcess:
     """A `fate_rdma.bench.peer` child process and its bootstrap connection."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0, module: str = "fate_rdma.bench.peer") -> None:
         self.host = host
         self._listener = ev.Listener(host, 0)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fate_rdma.bench.peer", "--connect", f"{host}:{self._listener.address[1]}"], env=env)
+            [sys.executable, "-m", module, "--connect", f"{host}:{self._listener.address[1]}"], env=env)
         try:
             self.conn = self._listener.accept(timeout_s)
         except ev.BootstrapError:

@@ -30,6 +30,7 @@ from ..errors import (FateRdmaError, IntegrityError, PayloadTooLarge, PeerUnreac
                       TransferCancelled, TransferError)
 from ..protocol.fedrdma_e import slot_payload_offset, split_imm
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
+from .checksum import payload_checksum, payload_checksum_async
 from .transfer import Message, Payload, TransferFuture, group_sges
 
 log = logging.getLogger("fate_rdma.channel")
@@ -46,9 +47,12 @@ _ERR = {ErrorCode.INTEGRITY: IntegrityError, ErrorCode.TOO_LARGE: PayloadTooLarg
 class _Out:
     """An outgoing transfer as the engine sees it."""
 
-    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, crc: Optional[int]) -> None:
-        self.fut, self.payload, self.meta, self.crc = fut, payload, meta, crc
-        self.meta_crc = crc32c.crc32c(meta) if crc is not None else 0
+    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, checksums: bool) -> None:
+        self.fut, self.payload, self.meta = fut, payload, meta
+        self.checksums = checksums
+        self.meta_crc = crc32c.crc32c(meta) if checksums else 0
+        #: FedRDMA-E whole-payload checksum, computed while the first chunks are on the wire
+        self.crc_future: Any = None
         self.mode = ""
         self.machine: Any = None
         self.slot: Optional[int] = None
@@ -130,6 +134,7 @@ class Connection:
         mrs: Dict[str, ev.MR] = {}
         if self.pool is not None:
             self._pool_buf, mrs["pool"] = self._register(pd, cfg.pool_slots * self.pool.slot_bytes, rw)
+            self._pool_buf.fill(0)  # fault the pool in now, as pinning by ibv_reg_mr would, not during a transfer
         if want_staging:
             self._staging_buf, mrs["staging"] = self._register(pd, cfg.max_window * self.staging_buf_bytes, rw)
             self.staging = P.FedRdmaReceiver(cfg.max_payload_bytes, cfg.no_progress_timeout_s, cfg.checksum == "crc32c")
@@ -169,16 +174,14 @@ class Connection:
         if len(meta) > MAX_META:
             raise FateRdmaError(f"metadata of {len(meta)} bytes exceeds {MAX_META}")
         payload = Payload(self.endpoint.pd, buffers)
-        crc = None
-        if self.cfg.checksum == "crc32c":
-            crc = 0
-            for v in payload.views():
-                crc = crc32c.crc32c(v, crc)
-        with threading.Lock():
-            tid = (id(self) & 0xFFFF) << 40 | self._take_tid()
+        tid = (id(self) & 0xFFFF) << 40 | self._take_tid()
         fut = TransferFuture(tid, payload.total, lambda f: self._request("cancel", f))
         fut.set_running_or_notify_cancel()
-        self._request("send", _Out(fut, payload, meta, crc))
+        out = _Out(fut, payload, meta, self.cfg.checksum == "crc32c")
+        if out.checksums and self.cfg.mode == "fedrdma-e":
+            out.crc_future = payload_checksum_async(payload.views())
+            out.crc_future.add_done_callback(lambda _f: self.cq.wake())
+        self._request("send", out)
         return fut
 
     _tid_lock = threading.Lock()
@@ -313,6 +316,11 @@ class Connection:
         o = self._active
         if o is None or o.error is not None:
             return
+        if o.mode == "fedrdma-e":
+            o.machine.hold_header = o.checksums and not (o.crc_future is not None and o.crc_future.done())
+            if o.checksums and o.crc_future is None:
+                o.crc_future = payload_checksum_async(o.payload.views())  # fell back from fedrdma
+                o.crc_future.add_done_callback(lambda _f: self.cq.wake())
         for c in o.machine.next_chunks():
             if o.mode == "fedrdma-e":
                 self._post_e_chunk(o, c)
@@ -358,7 +366,8 @@ class Connection:
             self._post_data(qp, o, c, pool, data_off, True, c.seq)
             return
         self._post_data(qp, o, c, pool, data_off, False, 0)
-        idx, sge = self._write_header(o, o.machine.header(len(o.meta), o.crc, o.meta_crc))
+        crc = o.crc_future.result() if o.checksums else None
+        idx, sge = self._write_header(o, o.machine.header(len(o.meta), crc, o.meta_crc))
         o.pending_wrs += 1
         qp.post_write_with_imm(sge, pool, o.machine.imm, remote_offset=base, wr_id=self._wr_id("data", o, 0, idx + 1))
 
@@ -370,7 +379,7 @@ class Connection:
         data_off = base + P.HEADER.size + int(self.peer_staging["meta_cap"])  # type: ignore[index]
         self._post_data(qp, o, c, staging, data_off, False, c.seq)
         crc = None
-        if o.crc is not None:
+        if o.checksums:
             crc = 0
             for s in o.payload.sges(c.offset, c.length):
                 crc = crc32c.crc32c(s.view(), crc)
@@ -542,7 +551,8 @@ class Connection:
         meta = view[msg.meta_offset:msg.meta_offset + h.meta_len]
         payload = view[msg.payload_offset:msg.payload_offset + h.total]
         try:
-            self.pool.verify(msg, meta, payload)
+            if h.has_crc:
+                self.pool.verify(msg, crc32c.crc32c(meta), payload_checksum([payload]))
         except IntegrityError as exc:
             self._refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
             self._send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot))

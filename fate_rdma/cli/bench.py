@@ -6,6 +6,7 @@ import importlib
 
 KINDS = {
     "verbs": "fate_rdma.bench.verbs",
+    "transfer": "fate_rdma.bench.transfer",
 }
 
 

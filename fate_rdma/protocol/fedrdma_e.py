@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Set
 
-import crc32c
-
 from ..errors import IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
 from .chunking import Chunk, plan_chunks
 from .fedrdma import SenderBase, SendState
@@ -88,13 +86,15 @@ class FedRdmaESender(SenderBase):
         self.imm = make_imm(slot, seq16)
         self.header_after_all = header_after_all
         self._order = list(range(len(self.chunks) - 1, -1, -1))  # back to front; chunk 0 last
+        #: set while the checksum that the header carries is still being computed
+        self.hold_header = False
 
     def next_chunks(self) -> List[Chunk]:
         out = []
         while self.state is SendState.SENDING and self._order and len(self._in_flight) < self.window:
             seq = self._order[0]
-            if seq == 0 and self.header_after_all and len(self._done) < len(self.chunks) - 1:
-                break  # chunk 0 (with the header) only once every other chunk is placed
+            if seq == 0 and (self.hold_header or (self.header_after_all and len(self._done) < len(self.chunks) - 1)):
+                break  # chunk 0 (with the header) only once its checksum is known and, with several QPs, every other chunk is placed
             self._order.pop(0)
             self._in_flight.add(seq)
             out.append(self.chunks[seq])
@@ -154,12 +154,14 @@ class FedRdmaEReceiver:
         self._held.add(slot)
         return SlotMessage(slot, hdr, HEADER.size, slot_payload_offset(self.meta_cap))
 
-    def verify(self, msg: SlotMessage, meta: memoryview, payload: memoryview) -> None:
-        """Check the checksums; on mismatch the slot is freed and IntegrityError raised."""
+    def verify(self, msg: SlotMessage, meta_crc: int, payload_crc: int) -> None:
+        """Compare the checksums the caller computed over the slot with the header's; on mismatch
+        the slot is freed and IntegrityError raised. (Computing them is I/O-free but parallel, so
+        the caller does it.)"""
         h = msg.header
-        if self.verify_crc and h.has_crc and (crc32c.crc32c(payload) != h.crc or crc32c.crc32c(meta) != h.meta_crc):
+        if self.verify_crc and h.has_crc and (payload_crc != h.crc or meta_crc != h.meta_crc):
             self._held.discard(msg.slot)
-            raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): crc32c mismatch", h.transfer_id)
+            raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): checksum mismatch", h.transfer_id)
 
     def release(self, slot: int) -> None:
         if slot not in self._held:

@@ -1,0 +1,139 @@
+"""The receiving process of `fate-rdma bench transfer`, driven over a bootstrap socket.
+
+Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc"} starts a gRPC
+server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
+a fate-rdma Endpoint; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
+{"cmd": "expect", "count": n} waits for n fate-rdma messages (each released at once) or n gRPC
+calls, and answers with the peak extra RSS; {"cmd": "exit"}.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from concurrent import futures
+from typing import Any, Dict, List, Optional
+
+import easypyverbs as ev
+
+from ..channel import Endpoint
+from ..config import ChannelConfig
+from .memory import peak_rss_bytes, reset_peak, rss_bytes
+from .peer import _RawReceiver
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+        self.cv = threading.Condition()
+        self.bytes: List[int] = []
+
+    def hit(self, nbytes: int) -> None:
+        with self.cv:
+            self.n += 1
+            self.bytes.append(nbytes)
+            self.cv.notify_all()
+
+    def wait(self, count: int, timeout: float) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: self.n >= count, timeout)
+
+
+def _grpc_server(counter: _Counter) -> Any:
+    import grpc
+
+    def stream(request_iterator: Any, context: Any) -> bytes:
+        total = 0
+        for chunk in request_iterator:
+            total += len(chunk)
+        counter.hit(total)
+        return b"ok"
+
+    def unary(request: bytes, context: Any) -> bytes:
+        counter.hit(len(request))
+        return b"ok"
+
+    ident = lambda b: b  # noqa: E731  raw bytes, no protobuf
+    handler = grpc.method_handlers_generic_handler("bench.Bench", {
+        "Stream": grpc.stream_unary_rpc_method_handler(stream, ident, ident),
+        "Unary": grpc.unary_unary_rpc_method_handler(unary, ident, ident),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def serve(host: str, port: int) -> int:
+    conn = ev.connect(host, port, timeout_s=30)
+    raw = _RawReceiver()
+    counter = _Counter()
+    ep: Optional[Endpoint] = None
+    server = None
+    base_rss = rss_bytes()
+
+    def drain() -> None:
+        while ep is not None:
+            try:
+                msg = ep.recv(timeout=0.5)
+            except Exception:
+                continue
+            n = msg.nbytes
+            msg.release()
+            counter.hit(n)
+
+    try:
+        while True:
+            cmd: Dict[str, Any] = conn.recv(timeout_s=3600)
+            op = cmd.get("cmd")
+            if op == "raw_connect":
+                conn.send(raw.connect(host, int(cmd["port"])))
+            elif op == "raw":
+                conn.send(raw.receive(cmd))
+            elif op == "grpc":
+                server, gport = _grpc_server(counter)
+                conn.send({"ok": True, "port": gport})
+            elif op == "endpoint":
+                if ep is not None:
+                    old, ep = ep, None
+                    old.close()
+                ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host)
+                threading.Thread(target=drain, daemon=True).start()
+                conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
+            elif op == "mark":
+                base_rss = rss_bytes()
+                conn.send({"ok": True, "peak_reset": reset_peak(), "count": counter.n})
+            elif op == "peak":
+                conn.send({"ok": True, "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss)})
+            elif op == "expect":
+                ok = counter.wait(int(cmd["count"]), float(cmd.get("timeout_s", 600)))
+                conn.send({"ok": ok, "error": "" if ok else "messages did not arrive in time",
+                           "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss), "bytes": counter.bytes[-1:]})
+            elif op == "exit":
+                conn.send({"ok": True})
+                return 0
+            else:
+                conn.send({"ok": False, "error": f"unknown command {op!r}"})
+    finally:
+        raw.close()
+        if server is not None:
+            server.stop(0)
+        if ep is not None:
+            e, ep = ep, None
+            e.close()
+        conn.close()
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--connect", required=True)
+    a = p.parse_args(argv)
+    host, _, port = a.connect.rpartition(":")
+    return serve(host, int(port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
