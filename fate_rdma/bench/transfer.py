@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--methods", default="raw_tcp,grpc_stream,grpc_unary,fedrdma,fedrdma-e", help="comma list of methods")
     p.add_argument("--windows", default="1,auto", help="windows to measure for fedrdma/fedrdma-e (default 1,auto)")
+    p.add_argument("--checksum", default="crc32c", choices=["crc32c", "none"], help="end-to-end checksum (default crc32c)")
     p.add_argument("--provider", default="soft", help="verbs provider on loopback (default soft; link scenarios are soft)")
 
 
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 for w in windows:
                     cfg = ChannelConfig(mode=mode, window=int(w) if w != "auto" else "auto", slot_bytes=nbytes,
                                         provider="soft" if link else args.provider, soft_link=link,
-                                        transfer_timeout_s=3600, no_progress_timeout_s=120)
+                                        transfer_timeout_s=3600, no_progress_timeout_s=120, checksum=args.checksum)
                     res = _channel(peer, data, cfg, reps)
                     add({"scenario": scen, "method": mode, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
                          "provider": res["provider"], "emulated": res["emulated"], "seconds": round(median(res["times"]), 4),

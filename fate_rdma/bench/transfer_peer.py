@@ -3,8 +3,9 @@
 Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc"} starts a gRPC
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
 a fate-rdma Endpoint; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
-{"cmd": "expect", "count": n} waits for n fate-rdma messages (each released at once) or n gRPC
-calls, and answers with the peak extra RSS; {"cmd": "exit"}.
+{"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
+calls arrived in all, and answers with the peak extra RSS (and, with "record": true on the
+endpoint, each message's peer, size, crc32c and metadata, for tests); {"cmd": "exit"}.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import sys
 import threading
 from concurrent import futures
 from typing import Any, Dict, List, Optional
+
+import crc32c
 
 import easypyverbs as ev
 
@@ -30,10 +33,14 @@ class _Counter:
         self.cv = threading.Condition()
         self.bytes: List[int] = []
 
-    def hit(self, nbytes: int) -> None:
+        self.records: List[Dict[str, Any]] = []
+
+    def hit(self, nbytes: int, record: Optional[Dict[str, Any]] = None) -> None:
         with self.cv:
             self.n += 1
             self.bytes.append(nbytes)
+            if record is not None:
+                self.records.append(record)
             self.cv.notify_all()
 
     def wait(self, count: int, timeout: float) -> bool:
@@ -72,6 +79,7 @@ def serve(host: str, port: int) -> int:
     raw = _RawReceiver()
     counter = _Counter()
     ep: Optional[Endpoint] = None
+    record = False
     server = None
     base_rss = rss_bytes()
 
@@ -82,8 +90,10 @@ def serve(host: str, port: int) -> int:
             except Exception:
                 continue
             n = msg.nbytes
+            rec = {"peer": msg.peer, "nbytes": n, "crc32c": crc32c.crc32c(msg.view), "metadata": msg.metadata,
+                   "mode": msg.mode} if record else None
             msg.release()
-            counter.hit(n)
+            counter.hit(n, rec)
 
     try:
         while True:
@@ -100,6 +110,7 @@ def serve(host: str, port: int) -> int:
                 if ep is not None:
                     old, ep = ep, None
                     old.close()
+                record = bool(cmd.get("record"))
                 ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host)
                 threading.Thread(target=drain, daemon=True).start()
                 conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
@@ -111,7 +122,8 @@ def serve(host: str, port: int) -> int:
             elif op == "expect":
                 ok = counter.wait(int(cmd["count"]), float(cmd.get("timeout_s", 600)))
                 conn.send({"ok": ok, "error": "" if ok else "messages did not arrive in time",
-                           "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss), "bytes": counter.bytes[-1:]})
+                           "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss), "bytes": counter.bytes[-1:],
+                           "records": counter.records[-int(cmd["count"]):] if record else []})
             elif op == "exit":
                 conn.send({"ok": True})
                 return 0

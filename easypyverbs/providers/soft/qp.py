@@ -184,8 +184,17 @@ class SoftQP(QP):
                     self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}")
                 return
             magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
+            # ACKs are cumulative (as on a real RC link): an answer for psn also acknowledges
+            # every earlier request still in flight
+            earlier: List[_WR] = []
+            wr = None
             with self._cv:
-                wr = self._inflight.popleft() if self._inflight else None
+                idx = next((i for i, w in enumerate(self._inflight) if w.psn == psn), None)
+                if idx is not None:
+                    earlier = [self._inflight.popleft() for _ in range(idx)]
+                    wr = self._inflight.popleft()
+            for e in earlier:
+                self._complete_later(e, WCStatus.SUCCESS, delay)
             if magic != wire.RESP_MAGIC or version != wire.VERSION or wr is None or wr.psn != psn \
                     or kind not in (wire.ACK, wire.NAK, wire.READ_RESP) or status not in WCStatus.__members__.values():
                 if wr is not None:
@@ -202,11 +211,13 @@ class SoftQP(QP):
                     self._finish(wr, WCStatus.LOC_PROT_ERR if isinstance(exc, UsageError) else WCStatus.BAD_RESP_ERR)
                     self._fail(WCStatus.WR_FLUSH_ERR, f"READ response failed: {exc}")
                     return
-            st = WCStatus(status)
-            if self._ack_line is not None:
-                self._ack_line.submit(time.monotonic() + delay, lambda wr=wr, st=st: self._finish(wr, st))
-            else:
-                self._finish(wr, st)
+            self._complete_later(wr, WCStatus(status), delay)
+
+    def _complete_later(self, wr: _WR, st: WCStatus, delay: float) -> None:
+        if self._ack_line is not None:
+            self._ack_line.submit(time.monotonic() + delay, lambda: self._finish(wr, st))
+        else:
+            self._finish(wr, st)
 
     def _finish(self, wr: _WR, status: WCStatus) -> None:
         with self._cv:
@@ -323,6 +334,8 @@ class SoftQP(QP):
                 self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
                 return
             wire.recv_exactly_into(sock, view)
+            if recv is None and self._resp_line is None and due <= time.monotonic() and wire.more_pending(sock):
+                return  # the next request is already arriving: its answer acknowledges this one too
             wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
             self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
             return

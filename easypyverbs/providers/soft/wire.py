@@ -81,6 +81,16 @@ def drain(sock: socket.socket, n: int, scratch: memoryview) -> None:
         n -= k
 
 
+def more_pending(sock: socket.socket) -> bool:
+    """True if bytes of a next frame are already readable (used to coalesce ACKs)."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return False
+
+
 def send_buffers(sock: socket.socket, bufs: Sequence[memoryview]) -> None:
     """Send every buffer in order with vectored writes, handling partial sends."""
     pending: List[memoryview] = [b for b in bufs if b.nbytes]

@@ -1,0 +1,245 @@
+"""The sans-IO protocol: frames, both modes' machines in memory, adversarial schedulers, fuzzing."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import random
+
+import crc32c
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fate_rdma import errors as E
+from fate_rdma import protocol as P
+from fate_rdma.protocol.fedrdma_e import slot_payload_offset
+
+PROTOCOL_DIR = pathlib.Path(P.__file__).parent
+FORBIDDEN = {"socket", "threading", "asyncio", "time", "grpc", "fate", "easypyverbs", "selectors", "subprocess"}
+
+
+def test_protocol_imports_no_io():
+    for path in PROTOCOL_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for n in names:
+                assert n.split(".")[0] not in FORBIDDEN, f"{path.name} imports {n}"
+
+
+def test_header_round_trip_and_every_truncation_rejected():
+    h = P.Header(P.HeaderKind.CHUNK, 7, 2, 5, 8192, 4096, 0, 20000, 123, 0, True)
+    raw = P.encode_header(h)
+    assert len(raw) == P.HEADER.size == 64 and P.decode_header(raw) == h
+    for n in range(len(raw)):  # fed one byte at a time: every prefix is refused, none crashes
+        with pytest.raises(E.RemoteProtocolError):
+            P.decode_header(raw[:n])
+    c = P.Ctrl(P.CtrlKind.ERROR, 9, 1, 0, "checksum mismatch")
+    raw = P.encode_ctrl(c)
+    assert P.decode_ctrl(raw) == c
+    for n in range(P.CTRL.size + 3):
+        with pytest.raises(E.RemoteProtocolError):
+            P.decode_ctrl(raw[:n])
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("seq", 5, "out of range"), ("offset", 19000, "beyond total"), ("meta_len", 1 << 20, "metadata"),
+])
+def test_inconsistent_headers_rejected(field, value, match):
+    import dataclasses
+
+    h = dataclasses.replace(P.Header(P.HeaderKind.CHUNK, 1, 0, 5, 0, 4096, 0, 20000), **{field: value})
+    with pytest.raises(E.RemoteProtocolError, match=match):
+        P.decode_header(P.encode_header(h))
+
+
+def test_plan_chunks():
+    assert [c.length for c in P.plan_chunks(10, 4)] == [4, 4, 2]
+    assert [c.length for c in P.plan_chunks(10, 4, first_bytes=1)] == [1, 4, 4, 1]
+    assert [c.length for c in P.plan_chunks(10, 4, first_bytes=1, small_last=True)] == [4, 4, 1, 1]
+    assert P.plan_chunks(0, 4) == [P.Chunk(0, 0, 0)]
+    for total in (1, 3, 4, 5, 99):
+        chunks = P.plan_chunks(total, 4, first_bytes=2)
+        assert sum(c.length for c in chunks) == total
+        assert all(a.offset + a.length == b.offset for a, b in zip(chunks, chunks[1:]))
+
+
+class Net:
+    """A scheduler between two machines: may reorder, duplicate and drop frames."""
+
+    def __init__(self, seed: int, reorder: bool = False, dup: float = 0.0, drop: float = 0.0) -> None:
+        self.rng = random.Random(seed)
+        self.q = []
+        self.reorder, self.dup, self.drop = reorder, dup, drop
+
+    def put(self, frame) -> None:
+        if self.rng.random() < self.drop:
+            return
+        self.q.append(frame)
+        if self.rng.random() < self.dup:
+            self.q.append(frame)
+
+    def take(self):
+        if not self.q:
+            return None
+        i = self.rng.randrange(len(self.q)) if self.reorder else 0
+        return self.q.pop(i)
+
+
+def run_fedrdma(payload: bytes, chunk: int, window: int, net: Net, first: int = 0):
+    now = [0.0]
+    s = P.FedRdmaSender(1, len(payload), chunk, window, now[0], first_chunk_bytes=first, no_progress_s=5)
+    r = P.FedRdmaReceiver(1 << 30)
+    dest = bytearray(len(payload))
+    back = Net(net.rng.randrange(1 << 30), net.reorder, net.dup, 0.0)
+    copies = 0
+    while not s.finished:
+        for c in s.next_chunks():
+            data = payload[c.offset:c.offset + c.length]
+            net.put(P.encode_header(s.header(c, 0, crc32c.crc32c(data))) + data)
+        frame = net.take()
+        if frame is not None:
+            hdr = P.decode_header(frame[:64])
+            placed = r.on_chunk(hdr, memoryview(frame[64:]), now[0])
+            if placed is not None:
+                dest[hdr.offset:hdr.offset + hdr.length] = frame[64:]
+                copies += 1
+            back.put(P.encode_ctrl(P.Ctrl(P.CtrlKind.ACK, hdr.transfer_id, hdr.seq)))
+        ack = back.take()
+        if ack is not None:
+            s.on_ack(P.decode_ctrl(ack).value, now[0])
+        now[0] += 0.01
+        s.tick(now[0])
+    return bytes(dest), copies, s
+
+
+@pytest.mark.parametrize("window", [1, 3, 16])
+@pytest.mark.parametrize("sched", ["inorder", "reorder", "dup"])
+def test_fedrdma_in_memory(window, sched):
+    payload = bytes(random.Random(window).randbytes(10_000))
+    net = Net(window, reorder=sched == "reorder", dup=0.3 if sched == "dup" else 0.0)
+    dest, copies, s = run_fedrdma(payload, 1024, window, net, first=100)
+    assert dest == payload and s.state is P.fedrdma.SendState.DONE
+    assert copies == len(s.chunks)  # duplicates were re-ACKed, never copied twice
+
+
+def test_fedrdma_drop_ends_in_timeout_not_a_hang():
+    with pytest.raises(E.TransferTimeout, match="no progress"):
+        run_fedrdma(bytes(5000), 1000, 2, Net(1, drop=0.5))
+
+
+def test_fedrdma_corrupt_chunk_detected():
+    r = P.FedRdmaReceiver(1 << 20)
+    data = b"x" * 100
+    hdr = P.Header(P.HeaderKind.CHUNK, 3, 0, 1, 0, 100, 0, 100, crc32c.crc32c(data) ^ 1, 0, True)
+    with pytest.raises(E.IntegrityError, match="crc32c"):
+        r.on_chunk(hdr, memoryview(data), 0.0)
+
+
+def test_sender_rejects_bogus_acks_and_bad_transitions():
+    s = P.FedRdmaSender(1, 100, 10, 2, 0.0)
+    s.next_chunks()
+    with pytest.raises(E.RemoteProtocolError, match="never sent"):
+        s.on_ack(5, 0.0)
+    with pytest.raises(E.RemoteProtocolError, match="chunk 99"):
+        s.on_ack(99, 0.0)
+    s.cancel()
+    assert isinstance(s.error, E.TransferCancelled)
+    with pytest.raises(E.LocalProtocolError):
+        s._move("complete")
+
+
+def test_fedrdma_e_in_memory_back_to_front():
+    payload = bytes(random.Random(2).randbytes(9000))
+    meta = b'{"name":"w"}'
+    ring = P.SlotRing(2)
+    slot = ring.acquire()
+    recv = P.FedRdmaEReceiver(2, 16384, meta_cap=256)
+    pool = bytearray(2 * recv.slot_bytes)
+    base = slot * recv.slot_bytes
+    pay_off = base + slot_payload_offset(256)
+    s = P.FedRdmaESender(5, 5, slot, len(payload), 2048, 3, 0.0, slot_payload_bytes=16384, first_chunk_bytes=64)
+    order = []
+    while not s.finished:
+        batch = s.next_chunks()
+        for c in batch:
+            order.append(c.seq)
+            pool[pay_off + c.offset:pay_off + c.offset + c.length] = payload[c.offset:c.offset + c.length]
+            if c.seq == 0:
+                raw = P.encode_header(s.header(len(meta), 42, crc32c.crc32c(meta))) + meta
+                pool[base:base + len(raw)] = raw
+        for c in batch:
+            s.on_write_complete(c.seq, 0.0)
+    assert order[0] == len(s.chunks) - 1 and order[-1] == 0 and s.chunks[-1].length == 64
+    msg = recv.on_write_imm(s.imm, memoryview(pool)[base:base + 64])
+    assert msg.slot == slot and msg.header.total == len(payload)
+    got = bytes(pool[pay_off:pay_off + len(payload)])
+    assert got == payload
+    recv.verify(msg, crc32c.crc32c(meta), 42)
+    with pytest.raises(E.RemoteProtocolError, match="still held"):
+        recv.on_write_imm(s.imm, memoryview(pool)[base:base + 64])
+    recv.release(slot)
+    with pytest.raises(E.LocalProtocolError):
+        recv.release(slot)
+
+
+def test_fedrdma_e_checks():
+    with pytest.raises(E.PayloadTooLarge, match="exceeds the peer"):
+        P.FedRdmaESender(1, 1, 0, 100, 10, 1, 0.0, slot_payload_bytes=99)
+    recv = P.FedRdmaEReceiver(1, 100)
+    with pytest.raises(E.RemoteProtocolError, match="slot 3"):
+        recv.on_write_imm(3 << 16, memoryview(bytes(64)))
+    ring = P.SlotRing(2)
+    assert ring.acquire() == 0 and ring.acquire() == 1 and ring.acquire() is None
+    ring.credit(0)
+    assert ring.acquire() == 0
+    with pytest.raises(E.RemoteProtocolError, match="not in use"):
+        ring.credit(0) or ring.credit(0)
+    msg = None
+    hdr = P.encode_header(P.Header(P.HeaderKind.SLOT, 1, 0, 1, 0, 10, 0, 10, 5, 0, True))
+    msg = recv.on_write_imm(0, memoryview(hdr))
+    with pytest.raises(E.IntegrityError):
+        recv.verify(msg, 0, 6)
+
+
+def test_fedrdma_e_header_waits_with_several_qps():
+    s = P.FedRdmaESender(1, 1, 0, 50, 10, 10, 0.0, slot_payload_bytes=100, header_after_all=True)
+    first = s.next_chunks()
+    assert 0 not in [c.seq for c in first] and len(first) == 4
+    for c in first:
+        s.on_write_complete(c.seq, 0.0)
+    assert [c.seq for c in s.next_chunks()] == [0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_fuzz_frames_only_protocol_errors_escape(data):
+    for fn in (P.decode_header, P.decode_ctrl):
+        try:
+            fn(data)
+        except E.RemoteProtocolError:
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-2, 40)), max_size=60))
+def test_fuzz_machines_only_package_errors_escape(events):
+    s = P.FedRdmaSender(1, 100, 10, 4, 0.0, no_progress_s=1)
+    r = P.FedRdmaReceiver(1000)
+    for kind, v in events:
+        try:
+            if kind == 0:
+                s.next_chunks()
+            elif kind == 1:
+                s.on_ack(v, 0.0)
+            elif kind == 2:
+                s.tick(float(v))
+            else:
+                h = P.Header(P.HeaderKind.CHUNK, 1, max(v, 0) % 12, 11, max(v, 0) * 10, 10, 0, 110)
+                r.on_chunk(P.decode_header(P.encode_header(h)), memoryview(bytes(10)), 0.0)
+        except E.FateRdmaError:
+            pass
