@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from concurrent.futures import Future as concurrent_futures_Future  # noqa: F401  (tests wrap checksum futures)
 import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -60,6 +61,7 @@ class _Out:
         self.error: Optional[BaseException] = None
         self.tell_peer = False
         self.started = 0.0
+        self.placed_at = 0.0
 
 
 class _In:
@@ -90,6 +92,7 @@ class Connection:
         self._outq: Deque[_Out] = collections.deque()
         self._active: Optional[_Out] = None
         self._draining: List[_Out] = []
+        self._verdict: Dict[int, _Out] = {}  # FedRDMA-E transfers placed, awaiting the receiver's DONE
         self._incoming: Dict[int, _In] = {}
         self._wrs: Dict[int, Tuple[str, Any, int, int]] = {}
         self._wr_seq = 0
@@ -412,8 +415,11 @@ class Connection:
         if o.mode == "fedrdma-e":
             o.machine.on_write_complete(seq, time.monotonic())
             o.fut._progress(o.machine.done_bytes)
-            if o.machine.finished:
-                self._finish_out(o)
+            if o.machine.finished:  # placed; the receiver's DONE (after its checksum) completes it
+                o.placed_at = time.monotonic()
+                self._verdict[o.fut.transfer_id] = o
+                if self._active is o:
+                    self._active = None
 
     def _finish_out(self, o: _Out) -> None:
         o.payload.close()
@@ -427,6 +433,7 @@ class Connection:
         if o.error is not None:
             return
         o.error = exc
+        self._verdict.pop(o.fut.transfer_id, None)
         o.machine.fail(exc) if not isinstance(exc, TransferCancelled) else o.machine.cancel(str(exc))
         if tell_peer:
             self._send_ctrl(P.Ctrl(CtrlKind.CANCEL, o.fut.transfer_id, 0, 0, str(exc)[:200]))
@@ -483,7 +490,12 @@ class Connection:
             elif getattr(self, "staging", None) is not None and self.staging.cancel(c.transfer_id):
                 self._incoming.pop(c.transfer_id, None)
                 log.info("transfer %d from %s cancelled by the sender", c.transfer_id, self.peer)
+        elif c.kind is CtrlKind.DONE:
+            o = self._verdict.pop(c.transfer_id, None)
+            if o is not None:
+                self._finish_out(o)
         elif c.kind is CtrlKind.ERROR:
+            a = self._verdict.get(c.transfer_id, a)
             if a is not None and a.fut.transfer_id == c.transfer_id:
                 cls = _ERR.get(ErrorCode(c.value) if c.value in ErrorCode.__members__.values() else ErrorCode.INTERNAL, TransferError)
                 self._fail_out(a, cls(f"transfer {c.transfer_id} refused by {self.peer}: {c.reason}", c.transfer_id), tell_peer=False)
@@ -557,6 +569,7 @@ class Connection:
             self._refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
             self._send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot))
             return
+        self._send_ctrl(P.Ctrl(CtrlKind.DONE, h.transfer_id))
         self._deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: self._request("release", slot))
 
     def _deliver(self, tid: int, meta: bytes, view: memoryview, mode: str, releaser: Any) -> None:
@@ -597,6 +610,10 @@ class Connection:
             except TransferError as exc:
                 a.error = None  # let _fail_out record it
                 self._fail_out(a, exc, tell_peer=True)
+        for tid, o in list(self._verdict.items()):
+            if now - o.placed_at > self.cfg.no_progress_timeout_s:
+                self._fail_out(o, TransferError(f"transfer {tid}: placed, but {self.peer} did not confirm it within "
+                                                f"{self.cfg.no_progress_timeout_s:g} s", tid), tell_peer=False)
         if getattr(self, "staging", None) is not None:
             for tid in self.staging.expired(now):
                 self._incoming.pop(tid, None)
@@ -612,11 +629,11 @@ class Connection:
             # a peer that closes while idle is a normal end; losing it mid-transfer is not
             (log.warning if busy else log.info)("connection to %s lost: %s", self.peer, exc)
         err = exc if isinstance(exc, PeerUnreachable) else PeerUnreachable(f"connection to {self.peer} lost: {exc}")
-        for o in ([self._active] if self._active else []) + list(self._outq) + self._draining:
+        for o in ([self._active] if self._active else []) + list(self._outq) + self._draining + list(self._verdict.values()):
             o.payload.close()
             if not o.fut.done():
                 o.fut.set_exception(err)
-        self._active, self._outq, self._draining = None, collections.deque(), []
+        self._active, self._outq, self._draining, self._verdict = None, collections.deque(), [], {}
         while self._requests:
             kind, arg = self._requests.popleft()
             if kind == "send":

@@ -57,6 +57,7 @@ class CtrlKind(enum.IntEnum):
     ERROR = 4  # receiver -> sender: `transfer_id` failed with code `value` (ErrorCode), reason follows
     PROBE = 5  # RTT probe, echoed as PROBE_REPLY with the same nonce in `value`
     PROBE_REPLY = 6
+    DONE = 7  # receiver -> sender (FedRDMA-E): `transfer_id` arrived, verified, delivered
 
 
 class ErrorCode(enum.IntEnum):
