@@ -30,10 +30,23 @@ def _enums() -> Any:
     return e
 
 
+def _import_device_module() -> Any:
+    """Import pyverbs.device without its side effect: pyverbs calls logging.basicConfig(level=INFO)
+    on import, which would turn on every library's INFO logs in the host process."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        import pyverbs.device as d
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return d
+
+
 def status() -> Tuple[bool, str, List[str]]:
     """(pyverbs importable, explanation, RDMA device names)."""
     try:
-        import pyverbs.device as d
+        d = _import_device_module()
     except ImportError as exc:
         return False, f"pyverbs is not importable ({exc}); run deploy/install-rdma-core.sh", []
     try:

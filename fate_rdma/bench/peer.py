@@ -15,6 +15,7 @@ Commands (JSON over the bootstrap connection):
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 import time
@@ -116,6 +117,7 @@ def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connect", required=True, help="HOST:PORT of the driving process")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="peer %(levelname)s %(name)s: %(message)s")
     host, _, port = a.connect.rpartition(":")
     return serve(host, int(port))
 

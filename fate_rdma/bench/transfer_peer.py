@@ -10,6 +10,7 @@ endpoint, each message's peer, size, crc32c and metadata, for tests); {"cmd": "e
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 from concurrent import futures
@@ -143,6 +144,7 @@ def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connect", required=True)
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="peer %(levelname)s %(name)s: %(message)s")
     host, _, port = a.connect.rpartition(":")
     return serve(host, int(port))
 

@@ -62,6 +62,7 @@ class _Out:
         self.tell_peer = False
         self.started = 0.0
         self.placed_at = 0.0
+        self.confirmed = False
 
 
 class _In:
@@ -416,10 +417,13 @@ class Connection:
             o.machine.on_write_complete(seq, time.monotonic())
             o.fut._progress(o.machine.done_bytes)
             if o.machine.finished:  # placed; the receiver's DONE (after its checksum) completes it
-                o.placed_at = time.monotonic()
-                self._verdict[o.fut.transfer_id] = o
                 if self._active is o:
                     self._active = None
+                if o.confirmed:  # the DONE overtook the write's own completion (another socket)
+                    self._finish_out(o)
+                else:
+                    o.placed_at = time.monotonic()
+                    self._verdict[o.fut.transfer_id] = o
 
     def _finish_out(self, o: _Out) -> None:
         o.payload.close()
@@ -494,6 +498,8 @@ class Connection:
             o = self._verdict.pop(c.transfer_id, None)
             if o is not None:
                 self._finish_out(o)
+            elif a is not None and a.fut.transfer_id == c.transfer_id:
+                a.confirmed = True
         elif c.kind is CtrlKind.ERROR:
             a = self._verdict.get(c.transfer_id, a)
             if a is not None and a.fut.transfer_id == c.transfer_id:

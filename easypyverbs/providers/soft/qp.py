@@ -181,7 +181,9 @@ class SoftQP(QP):
                 continue
             except (OSError, wire.PeerClosed) as exc:
                 if not self._closing:
-                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}")
+                    with self._cv:
+                        busy = bool(self._inflight or self._send_q)
+                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}" if busy else f"peer disconnected: {exc}")
                 return
             magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
             # ACKs are cumulative (as on a real RC link): an answer for psn also acknowledges
