@@ -232,3 +232,29 @@ def test_yaml_config_loads(tmp_path):
     p.write_text("channel:\n  mode: fedrdma\n  chunk_bytes: 1048576\n  window: 8\n")
     c = ChannelConfig.from_yaml(str(p))
     assert (c.mode, c.chunk_bytes, c.window) == ("fedrdma", 1 << 20, 8)
+
+
+def test_several_queue_pairs(mode):
+    cfg = cfg_for(mode, qps_per_peer=3)
+    peer = Peer(cfg)
+    try:
+        with Endpoint(cfg) as ep:
+            data = os.urandom(17 * CHUNK + 3)
+            for _ in range(2):
+                ep.send(peer.address, data).result(30)
+            assert all(r["crc32c"] == crc32c.crc32c(data) for r in peer.expect(2))
+            assert len(ep.connect(peer.address).rcs) == 3
+    finally:
+        peer.close()
+
+
+def test_shipped_conf_files_load():
+    import pathlib
+
+    confs = sorted((pathlib.Path(__file__).parent.parent / "conf").glob("*.yaml"))
+    assert confs
+    for p in confs:
+        import yaml
+
+        if "channel" in (yaml.safe_load(p.read_text()) or {}):
+            ChannelConfig.from_yaml(str(p))

@@ -6,8 +6,10 @@ and the soft provider's link model at 10 Gbit/s / 20 ms RTT and 1 Gbit/s / 20 ms
 model exists only inside the soft provider, so raw TCP and gRPC are measured on loopback only; the
 link scenarios compare against the wire time (payload x 8 / rate). Every line names the provider
 and whether it is emulated. Seconds are medians, end to end: until the receiver holds the verified
-message. `extra_rss_bytes`: the receiver's peak RSS above its level before the transfer, less the
-payload itself where the method allocates it per transfer (fedrdma's destination, gRPC's messages).
+message. `extra_rss_bytes`: the receiver's peak RSS beyond what the method must hold: for fedrdma
+and fedrdma-e, above the level before the receiving endpoint existed, less the payload (fedrdma's
+destination) or the registered pool (fedrdma-e), so staging buffers and bookkeeping count; for raw
+TCP and gRPC, above the level before the transfer, less the payload where gRPC allocates it.
 """
 from __future__ import annotations
 
@@ -80,7 +82,10 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int)
             info = fut.result(cfg.transfer_timeout_s)
             r = peer.cmd({"cmd": "expect", "count": count + 1})
             times.append(time.perf_counter() - t0)
-            rss.append(max(0, r["extra_rss_bytes"] - (data.nbytes if cfg.mode == "fedrdma" else 0)))
+            # above the receiver's level before its endpoint existed, less what the method must hold:
+            # fedrdma its destination (the payload), fedrdma-e its registered pool
+            held = data.nbytes if cfg.mode == "fedrdma" else r["pool_bytes"]
+            rss.append(max(0, r["endpoint_rss_bytes"] - held))
         emulated = ep.ctx.emulated
         provider = ep.ctx.provider
     return {"times": times, "rss": rss, "window": info.get("window"), "chunks": info.get("chunks"),

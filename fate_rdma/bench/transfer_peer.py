@@ -4,7 +4,8 @@ Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
 a fate-rdma Endpoint; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
 {"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
-calls arrived in all, and answers with the peak extra RSS (and, with "record": true on the
+calls arrived in all, and answers with the peak RSS above the level before the last "mark" and
+above the level before the endpoint was made, the endpoint's FedRDMA-E pool bytes (and, with "record": true on the
 endpoint, each message's peer, size, crc32c and metadata, for tests); {"cmd": "exit"}.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ def serve(host: str, port: int) -> int:
     ep: Optional[Endpoint] = None
     record = False
     server = None
-    base_rss = rss_bytes()
+    base_rss = ep_base_rss = rss_bytes()
 
     def drain() -> None:
         while ep is not None:
@@ -112,11 +113,12 @@ def serve(host: str, port: int) -> int:
                     old, ep = ep, None
                     old.close()
                 record = bool(cmd.get("record"))
+                ep_base_rss = rss_bytes()
                 ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host)
                 threading.Thread(target=drain, daemon=True).start()
                 conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
             elif op == "mark":
-                base_rss = rss_bytes()
+                base_rss = ep_base_rss = rss_bytes()
                 conn.send({"ok": True, "peak_reset": reset_peak(), "count": counter.n})
             elif op == "peak":
                 conn.send({"ok": True, "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss)})
@@ -124,6 +126,8 @@ def serve(host: str, port: int) -> int:
                 ok = counter.wait(int(cmd["count"]), float(cmd.get("timeout_s", 600)))
                 conn.send({"ok": ok, "error": "" if ok else "messages did not arrive in time",
                            "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss), "bytes": counter.bytes[-1:],
+                           "endpoint_rss_bytes": max(0, peak_rss_bytes() - ep_base_rss),
+                           "pool_bytes": ep.pool_bytes() if ep is not None else 0,
                            "records": counter.records[-int(cmd["count"]):] if record else []})
             elif op == "exit":
                 conn.send({"ok": True})

@@ -136,8 +136,10 @@ class Connection:
         nqps = max(1, min(cfg.qps_per_peer, int(peer.get("qps", 1))))
         rw = ev.Access.all_rdma()
         mrs: Dict[str, ev.MR] = {}
+        self.pool_bytes = 0
         if self.pool is not None:
-            self._pool_buf, mrs["pool"] = self._register(pd, cfg.pool_slots * self.pool.slot_bytes, rw)
+            self.pool_bytes = cfg.pool_slots * self.pool.slot_bytes
+            self._pool_buf, mrs["pool"] = self._register(pd, self.pool_bytes, rw)
             self._pool_buf.fill(0)  # fault the pool in now, as pinning by ibv_reg_mr would, not during a transfer
         if want_staging:
             self._staging_buf, mrs["staging"] = self._register(pd, cfg.max_window * self.staging_buf_bytes, rw)

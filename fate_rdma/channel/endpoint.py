@@ -97,6 +97,12 @@ class Endpoint:
             for k in [k for k, v in self._conns.items() if v is conn]:
                 del self._conns[k]
 
+    def pool_bytes(self) -> int:
+        """Bytes of FedRDMA-E receive pools registered (and resident) for all current peers."""
+        with self._lock:
+            conns = list({id(c): c for c in self._conns.values()}.values())
+        return sum(c.pool_bytes for c in conns)
+
     def peers(self) -> List[str]:
         with self._lock:
             return sorted({c.peer for c in self._conns.values()})
