@@ -239,7 +239,7 @@ def test_several_queue_pairs(mode):
     peer = Peer(cfg)
     try:
         with Endpoint(cfg) as ep:
-            data = os.urandom(17 * CHUNK + 3)
+            data = os.urandom(13 * CHUNK + 3)
             for _ in range(2):
                 ep.send(peer.address, data).result(30)
             assert all(r["crc32c"] == crc32c.crc32c(data) for r in peer.expect(2))
