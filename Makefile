@@ -11,8 +11,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23,<26"
 
+# one environment for the demo and the tests: the package, its dev tools, and FATE 2.2 + FATE-LLM
+# (pins in pyproject's `fate` extra); the start-up hook lets FATE's party processes see fate-rdma
 $(STAMP): $(PY) pyproject.toml setup.py
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,fate]'
+	$(VENV)/bin/fate-rdma hook install
 	touch $@
 
 venv: $(STAMP)

@@ -188,3 +188,44 @@ def test_unreachable_server_is_unavailable(pb):
         with pytest.raises(grpc.RpcError) as ei:
             pb2_grpc.EchoStub(ch).Unary(pb2.Req(), timeout=5)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(params=["grpc", "fate-rdma"])
+def osx(request):
+    osx_grpc = pytest.importorskip("fate.arch.federation.backends.osx.osx_pb2_grpc",
+                                   reason="FATE (pyfate) is not installed; make test installs it")
+    from fate.arch.federation.backends.osx import osx_pb2
+
+    from .osx_server import make_servicer
+
+    if request.param == "grpc":  # with the 2 GiB limits FATE's OSX client sets
+        opts = [("grpc.max_send_message_length", (2 << 30) - 1), ("grpc.max_receive_message_length", (2 << 30) - 1)]
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=opts)
+        port = server.add_insecure_port("127.0.0.1:0")
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
+    else:
+        server = grpc_compat.server(futures.ThreadPoolExecutor(4), config=CFG)
+        port = server.add_insecure_port("127.0.0.1:0")
+        channel = grpc_compat.insecure_channel(f"127.0.0.1:{port}", config=CFG)
+    osx_grpc.add_PrivateTransferTransportServicer_to_server(make_servicer(osx_pb2, osx_grpc), server)
+    server.start()
+    yield osx_pb2, osx_grpc.PrivateTransferTransportStub(channel)
+    channel.close()
+    server.stop(0).wait(5)
+
+
+def test_fate_osx_stubs_push_pop_release(osx):
+    pb2, stub = osx
+    md = (("x-ptp-session-id", "job-7"), ("x-ptp-target-node-id", "10000"), ("x-ptp-from-node-id", "9999"))
+    payload = pb2.Message(head=b'{"k": 1}', body=bytes(range(256)) * 16384).SerializeToString()  # 4 MiB
+    topic = "job-7-guest-9999-host-10000-w"
+    assert stub.push(pb2.PushInbound(topic=topic, payload=payload), metadata=md, timeout=30).code == "0"
+    assert stub.peek(pb2.PeekInbound(topic=topic), metadata=md, timeout=30).payload == payload
+    out = stub.pop(pb2.PopInbound(topic=topic, timeout=1000), metadata=md, timeout=30)
+    assert out.code == "0" and pb2.Message.FromString(out.payload).body == bytes(range(256)) * 16384
+    empty = stub.pop(pb2.PopInbound(topic=topic, timeout=100), metadata=md, timeout=30)
+    assert empty.code == "E0000000601"
+    assert stub.release(pb2.ReleaseInbound(topic=topic), metadata=md, timeout=10).code == "0"
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.release(pb2.ReleaseInbound(topic=topic), timeout=10)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT

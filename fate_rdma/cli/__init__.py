@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "doctor": ("fate_rdma.cli.doctor", "explain what this machine offers: providers, RDMA devices, ports, GIDs"),
     "demo": ("fate_rdma.cli.demo", "the main job: move a GPT-2-sized buffer between two processes and verify it"),
     "bench": ("fate_rdma.cli.bench", "benchmarks that print figures (JSON lines + table): verbs, transfer"),
+    "hook": ("fate_rdma.cli.hook", "install the start-up hook that switches fate-rdma on in FATE task processes"),
+    "launch": ("fate_rdma.cli.launch", "run a FATE launcher script with fate-rdma switched on"),
 }
 
 

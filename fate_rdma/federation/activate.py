@@ -1,0 +1,90 @@
+"""Switching fate-rdma on for FATE: patches FederationBuilder so every engine's federation is wrapped.
+
+Configuration comes from, in order: `install(section)` called explicitly; the `fate_rdma` section of
+the task configuration FATE parsed (fate-flow jobs; captured by the import hook); the
+FATE_RDMA_CONF environment variable (a YAML/JSON file with a `fate_rdma` section, or inline JSON;
+the multiprocess launcher's children inherit it). With none of them, FATE is left untouched.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Dict, Optional
+
+log = logging.getLogger("fate_rdma.federation")
+
+_explicit: Optional[Dict[str, Any]] = None
+_from_task_conf: Optional[Dict[str, Any]] = None
+ENGINE_BUILDERS = ("build_standalone", "build_osx", "build_rabbitmq", "build_pulsar")
+
+
+def current_section() -> Optional[Dict[str, Any]]:
+    if _explicit is not None:
+        return _explicit
+    if _from_task_conf is not None:
+        return _from_task_conf
+    env = os.environ.get("FATE_RDMA_CONF")
+    if env:
+        from .config import load_section
+
+        return load_section(env)
+    return None
+
+
+def wrap(fed: Any, computing: Any) -> Any:
+    """Wrap `fed` if fate-rdma is configured and enabled; else return it untouched."""
+    section = current_section()
+    if not section or not section.get("enabled", True) or getattr(fed, "fate_rdma", None) is not None:
+        return fed
+    from .config import RdmaFederationConfig
+    from .wrapper import RdmaFederation
+
+    RdmaFederation(fed, computing, RdmaFederationConfig.from_section(section))
+    return fed
+
+
+def patch_builder(builder_cls: Any) -> None:
+    """Wrap what each engine's build method returns (idempotent)."""
+    for meth in ENGINE_BUILDERS:
+        orig = getattr(builder_cls, meth, None)
+        if orig is None or getattr(orig, "_fate_rdma", False):
+            continue
+
+        def make(orig: Any) -> Any:
+            @functools.wraps(orig)
+            def build(self: Any, computing_session: Any = None, *args: Any, **kwargs: Any) -> Any:
+                fed = orig(self, computing_session, *args, **kwargs)
+                return wrap(fed, computing_session if computing_session is not None else kwargs.get("computing_session"))
+
+            build._fate_rdma = True  # type: ignore[attr-defined]
+            return build
+
+        setattr(builder_cls, meth, make(orig))
+
+
+def capture_task_conf(spec_cls: Any) -> None:
+    """Remember `conf.fate_rdma` of the task configuration FATE parses (pydantic drops unknown keys)."""
+    orig = spec_cls.parse_obj
+    if getattr(orig, "_fate_rdma", False):
+        return
+
+    def parse_obj(cls: Any, obj: Any) -> Any:
+        global _from_task_conf
+        conf = obj.get("conf") if isinstance(obj, dict) else None
+        if isinstance(conf, dict) and isinstance(conf.get("fate_rdma"), dict):
+            _from_task_conf = conf["fate_rdma"]
+        return orig.__func__(cls, obj)
+
+    parse_obj._fate_rdma = True  # type: ignore[attr-defined]
+    spec_cls.parse_obj = classmethod(parse_obj)
+
+
+def install(section: Optional[Dict[str, Any]] = None) -> None:
+    """Activate in this process now (imports FATE). `section`: a `fate_rdma` mapping; None: from env/task conf."""
+    global _explicit
+    if section is not None:
+        _explicit = section
+    from fate.arch.federation import _builder
+
+    patch_builder(_builder.FederationBuilder)

@@ -1,0 +1,87 @@
+"""The `fate_rdma` section of a FATE job/task configuration.
+
+    fate_rdma:
+      enabled: true
+      mode: fedrdma-e            # any ChannelConfig key: chunk_bytes, window, provider, device, ...
+      threshold_bytes: 1048576   # pickles at or above this go over the channel (default 1 MiB)
+      fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path, logged once)
+      pull_timeout_s: 600        # how long a get() waits for the payload after its descriptor arrived
+      endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
+        guest:9999: 10.0.0.1:18600
+        host:10000: 10.0.0.2:18600
+        arbiter:10000: 10.0.0.3:18600
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+from ..config import ChannelConfig
+from ..errors import ConfigError
+
+FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "endpoints", "listen_host"}
+
+
+def party_key(party: Tuple[str, str]) -> str:
+    return f"{party[0]}:{party[1]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RdmaFederationConfig:
+    endpoints: Dict[str, str]
+    enabled: bool = True
+    #: 1 MiB: FATE's own max_message_size; anything FATE would slice goes over the channel instead
+    threshold_bytes: int = 1 << 20
+    fallback: str = "error"
+    pull_timeout_s: float = 600.0
+    #: interface this party's endpoint binds (default: the host of its own endpoints entry)
+    listen_host: Optional[str] = None
+    channel: ChannelConfig = ChannelConfig()
+
+    def __post_init__(self) -> None:
+        if self.fallback not in ("error", "fate"):
+            raise ConfigError(f"fate_rdma.fallback must be 'error' or 'fate', got {self.fallback!r}")
+        if self.threshold_bytes < 1:
+            raise ConfigError("fate_rdma.threshold_bytes must be positive")
+        if self.pull_timeout_s <= 0:
+            raise ConfigError("fate_rdma.pull_timeout_s must be positive")
+        if not isinstance(self.endpoints, dict) or not self.endpoints:
+            raise ConfigError("fate_rdma.endpoints must map 'role:party_id' to 'host:port' for every party")
+        for k, v in self.endpoints.items():
+            host, _, port = str(v).rpartition(":")
+            if ":" not in str(k) or not host or not port.isdigit():
+                raise ConfigError(f"fate_rdma.endpoints: bad entry {k!r}: {v!r} (want 'role:party_id': 'host:port')")
+
+    def address_of(self, party: Tuple[str, str]) -> str:
+        key = party_key(party)
+        if key not in self.endpoints:
+            raise ConfigError(f"fate_rdma.endpoints has no entry for party {key}; known: {', '.join(sorted(self.endpoints))}")
+        return self.endpoints[key]
+
+    @classmethod
+    def from_section(cls, section: Dict[str, Any]) -> "RdmaFederationConfig":
+        if not isinstance(section, dict):
+            raise ConfigError(f"fate_rdma section must be a mapping, got {type(section).__name__}")
+        fed = {k: v for k, v in section.items() if k in FED_KEYS}
+        chan = {k: v for k, v in section.items() if k not in FED_KEYS}
+        fed["endpoints"] = {str(k): str(v) for k, v in (fed.get("endpoints") or {}).items()}
+        return cls(channel=ChannelConfig.from_dict(chan), **fed)
+
+
+def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
+    """A `fate_rdma` section from a YAML/JSON file path or an inline JSON string (FATE_RDMA_CONF)."""
+    if text_or_path.lstrip().startswith("{"):
+        doc = json.loads(text_or_path)
+    else:
+        if not os.path.exists(text_or_path):
+            raise ConfigError(f"FATE_RDMA_CONF names {text_or_path!r}, which does not exist")
+        import yaml
+
+        with open(text_or_path) as f:
+            doc = yaml.safe_load(f) or {}
+    if "fate_rdma" in doc:
+        return doc["fate_rdma"]
+    conf = doc.get("conf") if isinstance(doc.get("conf"), dict) else None
+    return conf.get("fate_rdma") if conf else None

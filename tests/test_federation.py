@@ -1,0 +1,198 @@
+"""FATE integration with real FATE 2.2 (standalone engine): interception, activation, fallback,
+descriptor checks, and a three-party FedAvg-style job through FATE's launcher with and without
+fate-rdma giving bitwise identical weights."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+fate = pytest.importorskip("fate.arch.federation", reason="FATE (pyfate) is not installed; make test installs it")
+
+from fate_rdma import errors as E  # noqa: E402
+from fate_rdma.federation import activate  # noqa: E402
+from fate_rdma.federation.wrapper import DESC_MAGIC  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GUEST, HOST = ("guest", "9999"), ("host", "10000")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def section(endpoints, **kw):
+    base = {"enabled": True, "mode": "fedrdma-e", "slot_bytes": 16 << 20, "provider": "soft", "threshold_bytes": 1 << 20,
+            "endpoints": endpoints, "chunk_bytes": 1 << 20, "connect_timeout_s": 2, "pull_timeout_s": 20}
+    base.update(kw)
+    return base
+
+
+@pytest.fixture
+def guest(tmp_path):
+    """The guest in this process (standalone FATE) and the host in another, each under its own section."""
+    from fate.arch.computing.backends.standalone import CSession
+    from fate.arch.context import Context
+    from fate.arch.federation import FederationBuilder
+
+    made = []
+
+    def build(sec, host_sec, fed_id, names="w"):
+        host = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fate_party.py"), "--fed-id", fed_id,
+                                 "--data-dir", str(tmp_path), "--section", json.dumps(host_sec), "--names", names],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        activate._explicit = sec
+        activate.install()
+        cs = CSession(session_id=f"{fed_id}_guest_9999", data_dir=str(tmp_path))
+        fed = FederationBuilder(federation_session_id=fed_id, party=GUEST, parties=[GUEST, HOST]).build_standalone(cs)
+        made.append((fed, host))
+        return Context(computing=cs, federation=fed), fed, host
+
+    yield build
+    activate._explicit = None
+    for fed, host in made:
+        if getattr(fed, "fate_rdma", None) is not None:
+            fed.fate_rdma.close()
+        if host.poll() is None:
+            host.kill()
+        host.wait()
+
+
+def host_result(host):
+    out, err = host.communicate(timeout=90)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, err[-3000:]
+    return json.loads(lines[-1])
+
+
+def sha(obj):
+    import hashlib
+    import pickle
+
+    return hashlib.sha256(pickle.dumps(obj)).hexdigest()
+
+
+def endpoints():
+    return {"guest:9999": f"127.0.0.1:{free_port()}", "host:10000": f"127.0.0.1:{free_port()}"}
+
+
+def test_large_payload_goes_over_the_channel_small_stays_with_fate(guest):
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s1", names="w,w2")
+    big = [np.random.default_rng(0).standard_normal(500_000), np.arange(10)]
+    small = {"flag": True, "w": np.ones(100)}
+    ctx.hosts[0].put("w", big)
+    ctx.hosts[0].put("w2", small)
+    res = host_result(host)
+    assert res.get("error") is None, res
+    assert res["w"] == sha(big) and res["w2"] == sha(small)
+    assert fed.fate_rdma.stats["rdma_transfers"] == 1 and fed.fate_rdma.stats["rdma_bytes"] > 4_000_000
+    assert res["stats"]["rdma_transfers"] == 0  # the host only received
+
+
+def test_no_configuration_no_effect(guest, monkeypatch):
+    monkeypatch.delenv("FATE_RDMA_CONF", raising=False)
+    ctx, fed, host = guest(None, None, "s2")
+    assert getattr(fed, "fate_rdma", None) is None
+    assert fed.get_default_max_message_size() == type(fed).get_default_max_message_size(fed)
+    value = np.random.default_rng(2).standard_normal(300_000)  # FATE slices this itself
+    ctx.hosts[0].put("w", value)
+    res = host_result(host)
+    assert res["w"] == sha(value) and res["stats"] is None
+
+
+def test_disabled_section_no_effect(guest):
+    ctx, fed, host = guest(section({"guest:9999": "127.0.0.1:1"}, enabled=False), None, "s3")
+    assert getattr(fed, "fate_rdma", None) is None
+
+
+def test_unreachable_peer_error_names_party_and_address(guest):
+    eps = endpoints()
+    dead = f"127.0.0.1:{free_port()}"
+    ctx, fed, host = guest(section({**eps, "host:10000": dead}), None, "s4")
+    with pytest.raises(E.PeerUnreachable, match=f"host:10000 at {dead}"):
+        ctx.hosts[0].put("w", np.zeros(300_000))
+
+
+def test_fallback_to_fate_when_configured(guest, caplog):
+    eps = endpoints()
+    wrong = {**eps, "host:10000": f"127.0.0.1:{free_port()}"}  # the guest has a wrong address for the host
+    ctx, fed, host = guest(section(wrong, fallback="fate"), section(eps), "s5")
+    big = np.random.default_rng(1).standard_normal(400_000)
+    ctx.hosts[0].put("w", big)
+    res = host_result(host)
+    assert res.get("error") is None and res["w"] == sha(big)
+    assert fed.fate_rdma.stats["fate_fallbacks"] == 1 and fed.fate_rdma.stats["rdma_transfers"] == 0
+    assert "sending through FATE's own federation" in caplog.text
+
+
+def test_descriptor_checks(guest):
+    ctx, fed, host = guest(section(endpoints()), None, "s6")
+    shim = fed.fate_rdma
+    shim._store.put("k1", b"abc")
+    with pytest.raises(E.IntegrityError, match="3 bytes arrived, descriptor says 4"):
+        shim._resolve(json.dumps({"id": "k1", "length": 4, "crc32c": 0}).encode(), GUEST, "w")
+    shim._store.put("k2", b"abcd")
+    with pytest.raises(E.IntegrityError, match="checksum"):
+        shim._resolve(json.dumps({"id": "k2", "length": 4, "crc32c": 1}).encode(), GUEST, "w")
+    with pytest.raises(E.IntegrityError, match="malformed"):
+        shim._resolve(b"{not json", GUEST, "w")
+    shim.cfg = shim.cfg.__class__(**{**shim.cfg.__dict__, "pull_timeout_s": 0.2})
+    with pytest.raises(E.TransferTimeout, match="did not arrive"):
+        shim._resolve(json.dumps({"id": "never", "length": 1, "crc32c": 0}).encode(), GUEST, "w")
+    assert DESC_MAGIC[:1] not in (b"\x00", b"\x01")
+
+
+def test_config_errors():
+    from fate_rdma.federation.config import RdmaFederationConfig
+
+    with pytest.raises(E.ConfigError, match="endpoints"):
+        RdmaFederationConfig.from_section({"mode": "fedrdma"})
+    with pytest.raises(E.ConfigError, match="bad entry"):
+        RdmaFederationConfig.from_section({"endpoints": {"guest": "x"}})
+    with pytest.raises(E.ConfigError, match="fallback"):
+        RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "fallback": "maybe"})
+    with pytest.raises(E.ConfigError, match="unknown key"):
+        RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "chunk": 1})
+    cfg = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "mode": "fedrdma", "window": 3})
+    assert cfg.channel.mode == "fedrdma" and cfg.channel.window == 3
+    with pytest.raises(E.ConfigError, match="no entry for party host:2"):
+        cfg.address_of(("host", "2"))
+
+
+def _run_example(out, conf=None, params=600_000):
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "fedavg_weights", "fedavg.py")]
+    if conf:
+        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", conf] + cmd[1:]
+    cmd += ["--parties", "guest:9999", "host:10000", "arbiter:10000", "--log_level", "WARNING",
+            "--out", str(out), "--params", str(params), "--rounds", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(out.parent))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return {r: json.load(open(os.path.join(out, f"{r}.json"))) for r in ("guest", "host", "arbiter")}
+
+
+def test_three_party_job_bitwise_identical_with_and_without_fate_rdma(tmp_path):
+    from fate_rdma.federation.hook import pth_path
+
+    if not os.path.exists(pth_path()):
+        pytest.skip("the start-up hook is not installed (make test runs `fate-rdma hook install`)")
+    ports = [free_port() for _ in range(3)]
+    conf = tmp_path / "fate_rdma.yaml"
+    conf.write_text(json.dumps({"fate_rdma": section({"guest:9999": f"127.0.0.1:{ports[0]}",
+                                                      "host:10000": f"127.0.0.1:{ports[1]}",
+                                                      "arbiter:10000": f"127.0.0.1:{ports[2]}"}, slot_bytes=32 << 20)}))
+    plain = _run_example(tmp_path / "plain")
+    rdma = _run_example(tmp_path / "rdma", str(conf))
+    for role in ("guest", "host", "arbiter"):
+        assert plain[role]["sha256"] == rdma[role]["sha256"], role
+        assert plain[role]["rdma"] is None
+        assert rdma[role]["rdma"]["rdma_transfers"] >= 2 and rdma[role]["rdma"]["fate_fallbacks"] == 0
+    assert plain["guest"]["sha256"] == plain["host"]["sha256"]  # both clients end on the same average
