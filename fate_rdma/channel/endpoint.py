@@ -11,7 +11,7 @@ import easypyverbs as ev
 
 from ..config import ChannelConfig
 from ..errors import PeerUnreachable, TransferTimeout
-from .connection import Connection
+from .connection import Connection, RecvBuffers
 from .transfer import Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
@@ -37,6 +37,7 @@ class Endpoint:
         self._lock = threading.Lock()
         self._dialing: Dict[str, threading.Lock] = {}
         self._inbox: "queue.Queue[Message]" = queue.Queue()
+        self.recv_buffers = RecvBuffers(config.recv_cache_bytes)
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
@@ -132,6 +133,7 @@ class Endpoint:
             conns = list({id(c): c for c in self._conns.values()}.values())
         for c in conns:
             c.close()
+        self.recv_buffers.clear()
         while True:
             try:
                 self._inbox.get_nowait().release()

@@ -80,11 +80,41 @@ def capture_task_conf(spec_cls: Any) -> None:
     spec_cls.parse_obj = classmethod(parse_obj)
 
 
+def patch_serdes(pickler_cls: Any, unpickler_cls: Any) -> None:
+    """Let a wrapped federation carry array-heavy objects as frames (see frames.py); FATE's own
+    serializer stays in charge of everything else and of every federation fate-rdma did not wrap."""
+    from . import frames
+
+    push = pickler_cls.push
+    if not getattr(push, "_fate_rdma", False):
+        def push_framed(cls: Any, value: Any, federation: Any, computing: Any, name: str, tag: str, parties: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+            rdma = getattr(federation, "fate_rdma", None)
+            frame = rdma.frame(value) if rdma is not None else None
+            if frame is None:
+                return push.__func__(cls, value, federation, computing, name, tag, parties, *args, **kwargs)
+            federation.push_bytes(v=frame, name=name, tag=tag, parties=parties)
+
+        push_framed._fate_rdma = True  # type: ignore[attr-defined]
+        pickler_cls.push = classmethod(push_framed)
+    pull = unpickler_cls.pull
+    if not getattr(pull, "_fate_rdma", False):
+        def pull_framed(cls: Any, buffers: Any, ctx: Any, federation: Any, name: str, tag: str, party: Any) -> Any:
+            if isinstance(buffers, frames.InFrame):
+                return frames.decode(buffers, cls, ctx, federation, name, tag, party)
+            return pull.__func__(cls, buffers, ctx, federation, name, tag, party)
+
+        pull_framed._fate_rdma = True  # type: ignore[attr-defined]
+        unpickler_cls.pull = classmethod(pull_framed)
+
+
 def install(section: Optional[Dict[str, Any]] = None) -> None:
     """Activate in this process now (imports FATE). `section`: a `fate_rdma` mapping; None: from env/task conf."""
     global _explicit
     if section is not None:
         _explicit = section
     from fate.arch.federation import _builder
+    from fate.arch.federation.api import _serdes
 
     patch_builder(_builder.FederationBuilder)
+    patch_serdes(_serdes.TableRemotePersistentPickler, _serdes.TableRemotePersistentUnpickler)

@@ -1,8 +1,9 @@
 """The start-up hook: a `.pth` file imports this module in every interpreter of the environment.
 
-It only adds an import finder that patches two FATE modules when (and if) they are imported:
-FederationBuilder (to wrap federations when fate-rdma is configured) and the task-config spec (to
-see a `fate_rdma` section in a fate-flow task conf). Nothing else happens; FATE jobs without a
+It only adds an import finder that patches three FATE modules when (and if) they are imported:
+FederationBuilder (to wrap federations when fate-rdma is configured), the federation serializer
+(array frames, only for federations fate-rdma wrapped) and the task-config spec (to see a
+`fate_rdma` section in a fate-flow task conf). Nothing else happens; FATE jobs without a
 fate-rdma configuration run exactly as before.
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ PTH_NAME = "fate_rdma_hook.pth"
 PTH_LINE = "import fate_rdma.federation.hook as _h; _h.install_import_hook()\n"
 _TARGETS = {
     "fate.arch.federation._builder": lambda m: _activate().patch_builder(m.FederationBuilder),
+    "fate.arch.federation.api._serdes": lambda m: _activate().patch_serdes(m.TableRemotePersistentPickler,
+                                                                           m.TableRemotePersistentUnpickler),
     "fate.components.core.spec.task": lambda m: _activate().capture_task_conf(m.TaskConfigSpec),
 }
 

@@ -15,9 +15,11 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import crc32c
+import numpy as np
 
 from ..channel import Endpoint
 from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable, TransferTimeout
+from . import frames
 from .config import RdmaFederationConfig, party_key
 
 log = logging.getLogger("fate_rdma.federation")
@@ -31,15 +33,15 @@ class _Store:
     """Payloads that arrived over the channel, by transfer id, until FATE's get() asks for them."""
 
     def __init__(self) -> None:
-        self._items: Dict[str, bytes] = {}
+        self._items: Dict[str, Any] = {}
         self._cv = threading.Condition()
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: Any) -> None:
         with self._cv:
             self._items[key] = data
             self._cv.notify_all()
 
-    def take(self, key: str, timeout_s: float) -> bytes:
+    def take(self, key: str, timeout_s: float) -> Any:
         with self._cv:
             if not self._cv.wait_for(lambda: key in self._items, timeout_s):
                 raise TransferTimeout(f"payload {key} announced by its descriptor did not arrive within {timeout_s:g} s")
@@ -87,17 +89,28 @@ class RdmaFederation:
             except Exception:
                 return
             key = msg.metadata.get("id")
-            data = bytes(msg.view)  # frees the receive slot at once; FATE's unpickler wants bytes
-            msg.release()
+            if msg.mode == "fedrdma":
+                data = msg.view  # a buffer of its own: FATE (or a frame's arrays) use it in place
+            else:  # a FedRDMA-E receive slot: copy out once and free the slot for the sender at once
+                data = memoryview(np.array(msg.view, dtype=np.uint8, copy=True)).cast("B")
+                msg.release()
             if isinstance(key, str):
                 self._store.put(key, data)
 
     # -- push -----------------------------------------------------------------------------------
-    def _push_bytes(self, v: bytes, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
-        if len(v) < self.threshold:
+    def frame(self, value: Any) -> Optional[frames.OutFrame]:
+        """`value` as an array frame if it carries at least `threshold` bytes of arrays, else None."""
+        return frames.encode(value, self.threshold)
+
+    def _push_bytes(self, v: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
+        framed = isinstance(v, frames.OutFrame)
+        if not framed and len(v) < self.threshold:
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
         t0 = time.perf_counter()
-        crc = crc32c.crc32c(v)
+        bufs = v.buffers if framed else [v]
+        crc = 0
+        for b in bufs:
+            crc = crc32c.crc32c(b, crc)
         sends: List[Tuple[Tuple[str, str], str, Any]] = []
         for p in parties:
             key = uuid.uuid4().hex
@@ -105,7 +118,7 @@ class RdmaFederation:
                   "src": party_key(self.local), "dst": party_key(p)}
             try:
                 addr = self.cfg.address_of(tuple(p))
-                sends.append((tuple(p), key, self.endpoint.send(addr, v, md)))
+                sends.append((tuple(p), key, self.endpoint.send(addr, bufs, md)))
             except (PeerUnreachable, ConfigError) as exc:
                 sends.append((tuple(p), key, exc))
         for p, key, fut in sends:
@@ -117,7 +130,7 @@ class RdmaFederation:
                     err = exc
             if err is None:
                 desc = {"id": key, "length": len(v), "crc32c": crc, "src": party_key(self.local),
-                        "endpoint": self.endpoint.name, "session": self.fed.session_id}
+                        "endpoint": self.endpoint.name, "session": self.fed.session_id, "frame": framed}
                 self._orig_push(v=DESC_MAGIC + json.dumps(desc).encode(), name=name, tag=tag, parties=[p])
                 self.stats["rdma_bytes"] += len(v)
                 self.stats["rdma_transfers"] += 1
@@ -126,11 +139,21 @@ class RdmaFederation:
                     self._warned_fallback.add(p)
                     log.warning("fate-rdma: party %s unreachable (%s); sending through FATE's own federation", party_key(p), err)
                 self.stats["fate_fallbacks"] += 1
-                self._fate_push(v, name, tag, [p])
+                self._fate_push(self._fate_bytes(v.value, name, tag, [p]) if framed else v, name, tag, [p])
             else:
                 raise PeerUnreachable(f"fate-rdma: cannot send {name!r} to party {party_key(p)} at "
                                       f"{self.cfg.endpoints.get(party_key(p), '?')}: {err}") from err
         self.stats["rdma_seconds"] += time.perf_counter() - t0
+
+    def _fate_bytes(self, value: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> bytes:
+        """What FATE's own serializer makes of `value` (a frame that must take FATE's path after all)."""
+        import io
+
+        from fate.arch.federation.api._serdes import TableRemotePersistentPickler, _FederationBytesCoder
+
+        with io.BytesIO() as f:
+            TableRemotePersistentPickler(self.fed, name, tag, parties, f).dump(value)
+            return _FederationBytesCoder.encode_base(f.getvalue())
 
     def _fate_push(self, v: bytes, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
         """FATE's own path, sliced exactly as FATE slices pickles above its max message size."""
@@ -170,6 +193,10 @@ class RdmaFederation:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: {len(data)} bytes arrived, descriptor says {length}")
         if crc32c.crc32c(data) != crc:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: checksum does not match its descriptor")
+        if desc.get("frame"):
+            if not frames.is_frame(data):
+                raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: descriptor announces an array frame, payload is not one")
+            return frames.InFrame(data)
         return data
 
     # -- teardown -------------------------------------------------------------------------------

@@ -1,0 +1,217 @@
+"""FATE federation with and without fate-rdma: GPT-2 FedAvg payloads, guest + host + arbiter.
+
+Runs the same three-party job twice through FATE's multiprocess launcher (standalone engine), first
+over FATE's own federation, then with fate-rdma switched on, and reports per-round communication
+seconds (median over rounds; measured at the clients from a barrier until the average is unpickled,
+less the arbiter's summing time), payload bytes and each party's peak RSS. The payloads are what
+FATE-LLM's FedAvg sends with FATE's default secure aggregation for GPT-2 small: 124,439,808
+parameters as float64, mixed (2 x 8 bytes a parameter, ~1.99 GB) up, the float64 average (~0.995 GB)
+down, per client per round. `--scale` shrinks every tensor's leading dimension (memory: FATE's own
+path peaks near 8x the upload per client). Figures from the soft provider are an emulation over
+TCP on one machine and are labelled so; they are not RDMA figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+from .report import emit, human_bytes, median, table
+
+ROLES = ("guest", "host", "arbiter")
+PARTIES = ["guest:9999", "host:10000", "arbiter:10000"]
+TARGET_RATIO = 5.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="scale 0.25, 3 rounds (about two minutes)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="fraction of GPT-2's parameters (default 1; FATE's own path is run at the largest "
+                        "scale this machine's memory allows, and fate-rdma at that scale too, for the ratio)")
+    p.add_argument("--rounds", type=int, default=None, help="FedAvg rounds per job (default 3)")
+    p.add_argument("--lora-ranks", default=None,
+                   help="comma list of LoRA ranks: GPT-2 LoRA (c_attn) payloads instead of full weights, one "
+                        "pair of jobs per rank (the FedRDMA paper's Table 3), e.g. 4,8,16,32,64,128,256,512,1024")
+    p.add_argument("--mode", default="fedrdma", choices=["fedrdma", "fedrdma-e"],
+                   help="channel mode (default fedrdma: FedRDMA-E would pin a ~2 GB slot per peer here)")
+    p.add_argument("--methods", default="fate,fate-rdma", help="comma list of fate, fate-rdma")
+    p.add_argument("--provider", default="auto", help="verbs provider for fate-rdma (auto, soft, pyverbs)")
+    p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
+    p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
+
+
+#: peak memory of FATE's own path, all three parties, per byte of one client's upload (measured here:
+#: 3.6 GiB per client and 2.6 GiB at the arbiter for a 475 MiB upload; a full-size run was OOM-killed)
+FATE_MEM_PER_UPLOAD_BYTE = 21.0
+RDMA_MEM_PER_UPLOAD_BYTE = 8.0
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _upload_bytes(scale: float, lora_rank: int) -> int:
+    from .fate_job import scaled_shapes
+
+    n = 0
+    for s in scaled_shapes(scale, lora_rank):
+        k = 1
+        for d in s:
+            k *= d
+        n += k
+    return 16 * n
+
+
+def fitting_scale(per_byte: float, budget: int) -> float:
+    """The largest scale (a multiple of 0.05, at most 1) whose estimated peak fits in `budget` bytes."""
+    full = _upload_bytes(1.0, 0) * per_byte
+    return max(0.05, min(1.0, int(budget / full * 20) / 20))
+
+
+def _free_ports(n: int) -> List[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _conf(path: str, args: argparse.Namespace, upload: int) -> None:
+    sec: Dict[str, Any] = {"enabled": True, "mode": args.mode, "provider": args.provider, "window": "auto",
+                           "threshold_bytes": 1 << 20, "fallback": "error",
+                           "endpoints": {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES, _free_ports(3))}}
+    if args.mode == "fedrdma-e":
+        sec.update(pool_slots=1, slot_bytes=upload + (16 << 20))
+    with open(path, "w") as f:
+        json.dump({"fate_rdma": sec}, f)
+
+
+def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: int, rounds: int,
+         timeout: int) -> Dict[str, Any]:
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fate_job.py")
+    cmd = [sys.executable, job]
+    if conf:
+        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", conf, job]
+    cmd += ["--parties", *PARTIES, "--log_level", "WARNING", "--scale", str(scale), "--lora_rank", str(lora_rank),
+            "--rounds", str(rounds),
+            "--out", out]
+    print(f"# {method}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=out)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"bench fate: the {method} job did not finish within {timeout} s")
+    missing = [r for r in ROLES if not os.path.exists(os.path.join(out, f"{r}.json"))]
+    if p.returncode != 0 or missing:
+        sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+        raise SystemExit(f"bench fate: the {method} job failed (exit {p.returncode}; no result from {missing})")
+    return {r: json.load(open(os.path.join(out, f"{r}.json"))) for r in ROLES}
+
+
+def _row(method: str, res: Dict[str, Any], mode: str, scale: float, lora_rank: int) -> Dict[str, Any]:
+    g, h, a = res["guest"], res["host"], res["arbiter"]
+    per_round = [max(x, y) for x, y in zip(g["comm_seconds"], h["comm_seconds"])]  # the slower client
+    return {
+        "bench": "fate", "payload": f"gpt2-lora-r{lora_rank}" if lora_rank else "gpt2-full", "scale": scale,
+        "lora_rank": lora_rank, "method": method, "mode": mode if method == "fate-rdma" else "fate-standalone",
+        "provider": g["label"], "emulated": bool(g["emulated"]), "rounds": len(per_round),
+        "round_comm_seconds": median(per_round), "round_comm_seconds_all": per_round,
+        "payload_bytes": g["up_bytes"] + g["down_bytes"], "up_bytes": g["up_bytes"], "down_bytes": g["down_bytes"],
+        "params": g["params"], "tensors": g["tensors"], "verified": bool(g["verified"] and h["verified"]),
+        "peak_rss_bytes": max(g["peak_rss_bytes"], h["peak_rss_bytes"]), "arbiter_peak_rss_bytes": a["peak_rss_bytes"],
+        "aggregate_seconds": median(a["aggregate_seconds"]),
+    }
+
+
+def _cases(args: argparse.Namespace, methods: List[str]) -> List[Tuple[float, int, List[str]]]:
+    """(scale, lora_rank, methods) for each pair of jobs to run."""
+    rounds_scale = args.scale if args.scale is not None else (0.25 if args.quick else 1.0)
+    if args.lora_ranks:
+        ranks = [int(r) for r in args.lora_ranks.split(",") if r.strip()]
+        return [(1.0, r, methods) for r in ranks]
+    cases = []
+    if "fate" in methods:
+        budget = int(_available_bytes() * 0.85)
+        fit = fitting_scale(FATE_MEM_PER_UPLOAD_BYTE, budget)
+        if rounds_scale > fit:
+            print(f"bench fate: FATE's own path needs about {FATE_MEM_PER_UPLOAD_BYTE * _upload_bytes(rounds_scale, 0) / 2**30:.0f} "
+                  f"GiB for three parties at scale {rounds_scale:g}, {budget / 2**30:.0f} GiB is available: both methods "
+                  f"are compared at scale {fit:g}, and fate-rdma alone runs the full size", file=sys.stderr)
+            cases.append((fit, 0, methods))
+            if "fate-rdma" in methods:
+                cases.append((rounds_scale, 0, ["fate-rdma"]))
+            return cases
+    return [(rounds_scale, 0, methods)]
+
+
+def run(args: argparse.Namespace) -> int:
+    rounds = args.rounds if args.rounds is not None else 3
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("fate", "fate-rdma")]
+    if bad or not methods:
+        print(f"bench fate: unknown method(s) {bad}; use fate, fate-rdma", file=sys.stderr)
+        return 2
+    if args.scale is not None and not 0 < args.scale <= 1:
+        print("bench fate: --scale must be in (0, 1]", file=sys.stderr)
+        return 2
+    try:
+        import fate.arch  # noqa: F401
+    except ImportError:
+        print("bench fate: FATE is not installed here (pip install 'fate-rdma[fate]', or make venv)", file=sys.stderr)
+        return 2
+    try:
+        cases = _cases(args, methods)
+    except ValueError:
+        print(f"bench fate: --lora-ranks wants a comma list of integers, got {args.lora_ranks!r}", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fate-rdma-bench-") as tmp:
+        base = args.keep or tmp
+        for scale, rank, ms in cases:
+            for method in ms:
+                out = os.path.join(base, f"{method}-s{scale:g}-r{rank}")
+                os.makedirs(out, exist_ok=True)
+                conf = None
+                if method == "fate-rdma":
+                    conf = os.path.join(out, "fate_rdma.json")
+                    _conf(conf, args, _upload_bytes(scale, rank))
+                row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
+                row["chunks_up"] = -(-row["up_bytes"] // (4 << 20)) if method == "fate-rdma" else None
+                row["fate_slices_up"] = -(-row["up_bytes"] // (1 << 20))
+                emit(row)
+                rows.append(row)
+    for r in rows:
+        r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
+        r["peak_rss"] = human_bytes(r["peak_rss_bytes"])
+    table(rows, ["payload", "scale", "method", "mode", "provider", "size", "rounds", "round_comm_seconds", "peak_rss",
+                 "verified"])
+    ok = True
+    for scale, rank, ms in cases:
+        by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank}
+        if "fate" in by and "fate-rdma" in by:
+            ratio = by["fate"]["round_comm_seconds"] / by["fate-rdma"]["round_comm_seconds"]
+            verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+            emu = " [soft provider: emulated verbs over TCP, not an RDMA figure]" if by["fate-rdma"]["emulated"] else ""
+            emit({"bench": "fate", "summary": "ratio", "payload": by["fate"]["payload"], "scale": scale,
+                  "fate_over_fate_rdma": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO,
+                  "emulated": by["fate-rdma"]["emulated"]})
+            print(f"{by['fate']['payload']} at scale {scale:g}: communication per round FATE "
+                  f"{by['fate']['round_comm_seconds']:.2f} s, fate-rdma {by['fate-rdma']['round_comm_seconds']:.2f} s: "
+                  f"{ratio:.1f}x less (target {TARGET_RATIO:g}x: {verdict}){emu}")
+    if not all(r["verified"] for r in rows):
+        print("bench fate: an average did not match the expected one", file=sys.stderr)
+        ok = False
+    return 0 if ok else 1

@@ -1,0 +1,146 @@
+"""One party of `fate-rdma bench fate` (run by FATE's multiprocess launcher): FedAvg rounds of GPT-2-
+sized weights through FATE's own secure aggregation (`fate.arch.protocol.secure_aggregation`, the
+protocol FATE-LLM's FedAvg uses): each client puts its mixed float64 arrays (2 x 8 bytes a parameter)
+to the arbiter and gets the float64 average back. No training: this measures the federation.
+Writes `<out>/<role>.json` with per-round communication seconds, payload bytes and peak RSS."""
+# (no `from __future__ import annotations`: FATE's argument parser reads the dataclass field types)
+import hashlib
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+#: GPT-2 small (GPT2Config()): 124,439,808 parameters in 148 tensors
+GPT2_PARAMS = 124_439_808
+
+
+def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024):
+    """The parameter shapes of GPT2LMHeadModel in `parameters()` order (lm_head is tied to wte)."""
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(n_layer):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def lora_shapes(rank: int, n_layer: int = 12, d: int = 768):
+    """peft LoRA of rank `rank` on GPT-2's c_attn: lora_A (r, d) and lora_B (3d, r) per layer."""
+    return [s for _ in range(n_layer) for s in ((rank, d), (3 * d, rank))]
+
+
+def scaled_shapes(scale: float, lora_rank: int = 0):
+    """GPT-2's shapes (or its LoRA adapters') with the leading dimension of each scaled."""
+    base = lora_shapes(lora_rank) if lora_rank > 0 else gpt2_shapes()
+    if scale >= 1:
+        return base
+    return [(max(1, int(s[0] * scale)),) + tuple(s[1:]) for s in base]
+
+
+def _check_first_average(avg, args, ranks) -> bool:
+    """Round 1's average against the plain mean of every client's initial weights (regenerated
+    from their seeds, one tensor at a time): secure aggregation and transport changed nothing."""
+    import numpy as np
+
+    rngs = [np.random.default_rng(args.seed + r) for r in ranks]
+    if len(avg) != len(scaled_shapes(args.scale, args.lora_rank)):
+        return False
+    for a, s in zip(avg, scaled_shapes(args.scale, args.lora_rank)):
+        want = sum(rng.standard_normal(int(np.prod(s))) for rng in rngs).reshape(s) / len(rngs)
+        if a.shape != want.shape or not np.allclose(a, want, rtol=1e-7, atol=1e-7):
+            return False
+    return True
+
+
+@dataclass
+class BenchArgs:
+    rounds: int = field(default=2)
+    scale: float = field(default=1.0)
+    lora_rank: int = field(default=0, metadata={"help": "0: GPT-2's full weights; r: its LoRA (c_attn) adapters"})
+    seed: int = field(default=0)
+    out: str = field(default="bench_fate_out")
+
+
+def _record(ctx, args: BenchArgs, role: str, comm, extra) -> None:
+    rdma = getattr(ctx.federation, "fate_rdma", None)
+    rec = {"role": role, "comm_seconds": comm, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "transport": "fate-rdma" if rdma else "fate", "label": rdma.endpoint.label if rdma else "FATE federation",
+           "emulated": bool(rdma and rdma.endpoint.ctx.emulated), "rdma": dict(rdma.stats) if rdma else None, **extra}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{role}.json"), "w") as f:
+        json.dump(rec, f)
+
+
+def run(ctx) -> None:
+    """Secure aggregation exactly as FATE's SecureAggregatorClient/Server do it (same names, same
+    payloads), with the compute (masking, summing) kept out of the timed part: per round, the clients
+    mix their weights first, then all three meet at a small barrier, and the clock runs from there
+    until each client holds the unpickled average, less the arbiter's summing time."""
+    import numpy as np
+    from fate.arch.launchers.argparser import HfArgumentParser
+    from fate.arch.protocol.secure_aggregation._secure_aggregation import SecureAggregatorClient
+    from fate_utils.secure_aggregation_helper import MixAggregate
+
+    args = HfArgumentParser(BenchArgs).parse_args_into_dataclasses(return_remaining_strings=True)[0]
+    role = ctx.local.role
+    ranks = [ctx.guest.rank, *ctx.hosts.ranks]
+    send, recv = "bench_model_mixed_client_values", "bench_model_aggregated_values"
+    if role == "arbiter":
+        agg_seconds, wall = [], []
+        for _, rctx in ctx.ctxs_range(args.rounds):
+            for r in ranks:
+                rctx.parties[r].get("ready")
+            for r in ranks:
+                rctx.parties[r].put("go", True)
+            t0 = time.perf_counter()
+            mix, total = MixAggregate(), 0.0
+            spent = 0.0
+            for r in ranks:
+                arrays, w = rctx.parties[r].get(send)
+                t1 = time.perf_counter()
+                mix.aggregate(arrays)
+                total += w
+                del arrays
+                spent += time.perf_counter() - t1
+            t1 = time.perf_counter()
+            avg = mix.finalize(total)
+            spent += time.perf_counter() - t1
+            for r in ranks:
+                rctx.parties[r].put(recv, avg)
+            del avg, mix
+            agg_seconds.append(spent)
+            wall.append(time.perf_counter() - t0)
+            for r in ranks:
+                rctx.parties[r].put("agg_seconds", spent)
+        return _record(ctx, args, role, [w - a for w, a in zip(wall, agg_seconds)], {"aggregate_seconds": agg_seconds})
+    rng = np.random.default_rng(args.seed + ctx.local.rank)
+    weights = [rng.standard_normal(int(np.prod(s))).reshape(s) for s in scaled_shapes(args.scale, args.lora_rank)]
+    n = sum(w.size for w in weights)
+    client = SecureAggregatorClient(prefix="bench_model")
+    client.dh_exchange(ctx, ranks)
+    digest, comm, mix_seconds, verified = "", [], [], None
+    for i, rctx in ctx.ctxs_range(args.rounds):
+        t0 = time.perf_counter()
+        mixed = client._get_mixer().mix(weights, 0.5)
+        mix_seconds.append(time.perf_counter() - t0)
+        rctx.arbiter.put("ready", True)
+        rctx.arbiter.get("go")
+        t0 = time.perf_counter()
+        rctx.arbiter.put(send, (mixed, 0.5))
+        del mixed
+        avg = rctx.arbiter.get(recv)
+        elapsed = time.perf_counter() - t0
+        comm.append(elapsed - rctx.arbiter.get("agg_seconds"))
+        if i == 0:
+            verified = _check_first_average(avg, args, ranks)
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in avg)).hexdigest()
+        weights = [a * 0.999 for a in avg]  # the next round's "local update"
+        del avg
+    _record(ctx, args, role, comm, {"params": n, "tensors": len(weights), "up_bytes": 16 * n, "down_bytes": 8 * n,
+                                    "sha256": digest, "mix_seconds": mix_seconds,
+                                    "verified": verified})
+
+
+if __name__ == "__main__":
+    from fate.arch.launchers.multiprocess_launcher import launch
+
+    launch(run, extra_args_desc=[BenchArgs])

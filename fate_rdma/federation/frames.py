@@ -1,0 +1,171 @@
+"""Array frames: FATE objects made of containers, scalars, numpy arrays and CPU torch tensors (model
+weights, FedAvg's mixed arrays) sent without FATE's serialization copies.
+
+FATE pickles every array into a safetensors blob, the blobs into a BytesIO, copies that out and
+prefixes a mode byte (four copies of the weights before a byte moves), and does three more on the
+way in. A frame is instead a small pickle of the object's structure, in which each array is only a
+reference (offset, dtype, shape), followed by the arrays' own memory: the channel gathers it straight
+from the arrays (zero copy) and the receiver makes arrays that are views of the received buffer.
+
+    frame := MAGIC | u64 header_len | header (pickle) | pad to 64 | array 0 | pad | array 1 | ...
+
+The receiving side unpickles the header with FATE's own restricted unpickler class (its allow-list
+of classes applies unchanged). Objects holding anything else FATE serializes specially (tables,
+contexts) or arrays of object/structured dtypes are not framed: they take FATE's path untouched.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+MAGIC = b"FRDMAfr1"
+ALIGN = 64
+_HDR = struct.Struct("<8sQ")
+_PID = "fate-rdma/array"
+_KINDS = set("biufc")  # bool, signed, unsigned, float, complex
+
+
+class NotFramable(Exception):
+    """The object holds something a frame cannot carry; FATE's own path is used."""
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGN
+
+
+class _FramePickler(pickle.Pickler):
+    def __init__(self, f: io.BytesIO) -> None:
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays: List[np.ndarray] = []
+        self.array_bytes = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.kind not in _KINDS or obj.dtype.fields is not None:
+                raise NotFramable(f"numpy dtype {obj.dtype}")
+            return self._add(obj, "np")
+        kind = type(obj).__module__.split(".")[0]
+        if kind == "torch":
+            import torch
+
+            if isinstance(obj, torch.Tensor):
+                if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor:
+                    raise NotFramable(f"torch tensor ({obj.layout}, {type(obj).__name__})")
+                t = obj.detach().cpu().contiguous()
+                name = str(t.dtype).replace("torch.", "")
+                arr = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+                return self._add(arr, "torch:" + name)
+            return None
+        if kind == "fate":  # tables, contexts: FATE's own persistent ids
+            raise NotFramable(type(obj).__name__)
+        return None
+
+    def _add(self, arr: np.ndarray, kind: str) -> Tuple[Any, ...]:
+        arr = np.ascontiguousarray(arr)
+        self.arrays.append(arr)
+        self.array_bytes += arr.nbytes
+        return (_PID, len(self.arrays) - 1, arr.dtype.str, arr.shape, kind)
+
+
+class OutFrame:
+    """A framed object ready to send: `buffers` (gathered by the channel), `nbytes` in all. `value`
+    is kept so FATE's own path can still carry it (fallback)."""
+
+    def __init__(self, value: Any, buffers: List[Any], nbytes: int, array_bytes: int) -> None:
+        self.value, self.buffers, self.nbytes, self.array_bytes = value, buffers, nbytes, array_bytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def encode(value: Any, min_array_bytes: int) -> Optional[OutFrame]:
+    """Frame `value`, or None when it is not worth it (arrays below `min_array_bytes`) or not possible."""
+    f = io.BytesIO()
+    p = _FramePickler(f)
+    try:
+        p.dump(value)
+    except NotFramable:
+        return None
+    if not p.arrays or p.array_bytes < min_array_bytes:
+        return None
+    header = f.getvalue()
+    # the pickle refers to arrays by index; their offsets follow from the layout below
+    offsets, pos = [], _HDR.size + len(header)
+    pos += _pad(pos)
+    for a in p.arrays:
+        offsets.append(pos)
+        pos += a.nbytes + _pad(a.nbytes)
+    head = _HDR.pack(MAGIC, len(header)) + header
+    index = np.asarray(offsets, dtype="<u8").tobytes()
+    # the offsets table rides at the end so the header pickle need not be rewritten
+    buffers: List[Any] = [head + bytes(_pad(len(head)))]
+    for a in p.arrays:
+        if a.nbytes:
+            buffers.append(a)
+        if _pad(a.nbytes):
+            buffers.append(bytes(_pad(a.nbytes)))
+    buffers.append(index + struct.pack("<Q", len(p.arrays)))
+    total = pos + len(index) + 8
+    return OutFrame(value, buffers, total, p.array_bytes)
+
+
+def is_frame(view: Any) -> bool:
+    return len(view) >= _HDR.size and bytes(view[:len(MAGIC)]) == MAGIC
+
+
+class InFrame:
+    """A received frame (a view of the channel's buffer), decoded by FATE's unpickler class."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+
+def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
+    """The object of `frame`; `unpickler_cls(*unpickler_args, f)` is FATE's restricted unpickler."""
+    from ..errors import IntegrityError
+
+    view = frame.view
+    try:
+        magic, hlen = _HDR.unpack_from(view, 0)
+        (count,) = struct.unpack_from("<Q", view, view.nbytes - 8)
+        if magic != MAGIC or _HDR.size + hlen > view.nbytes or 8 * count + 8 > view.nbytes:
+            raise ValueError("bad frame header")
+        offsets = np.frombuffer(view, dtype="<u8", count=count, offset=view.nbytes - 8 - 8 * count)
+    except (struct.error, ValueError) as exc:
+        raise IntegrityError(f"fate-rdma: malformed array frame ({view.nbytes} bytes): {exc}") from exc
+    limit = view.nbytes - 8 - 8 * count
+
+    class _FrameUnpickler(unpickler_cls):  # type: ignore[misc, valid-type]
+        def persistent_load(self, pid: Any) -> Any:
+            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _PID:
+                return _array(view, offsets, limit, *pid[1:])
+            return super().persistent_load(pid)
+
+    f = io.BytesIO(view[_HDR.size:_HDR.size + hlen])
+    return _FrameUnpickler(*unpickler_args, f).load()
+
+
+def _array(view: memoryview, offsets: np.ndarray, limit: int, idx: int, dtype: str, shape: Tuple[int, ...],
+           kind: str) -> Any:
+    from ..errors import IntegrityError
+
+    dt = np.dtype(dtype)
+    if dt.kind not in _KINDS:
+        raise IntegrityError(f"fate-rdma: array frame names dtype {dtype}")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if not 0 <= idx < len(offsets) or int(offsets[idx]) + count * dt.itemsize > limit:
+        raise IntegrityError(f"fate-rdma: array {idx} of a frame lies outside it ({view.nbytes} bytes)")
+    arr = np.frombuffer(view, dtype=dt, count=count, offset=int(offsets[idx])).reshape(shape)
+    if kind == "np":
+        return arr
+    import torch
+
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if kind == "torch:bfloat16" else t

@@ -1,0 +1,119 @@
+"""Array frames (fate_rdma.federation.frames): objects of containers, scalars, numpy arrays and CPU
+torch tensors survive exactly, arrays are views of the received buffer, anything else is refused
+(FATE's own path), and damaged frames are clear errors."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from fate_rdma.errors import IntegrityError
+from fate_rdma.federation import frames
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Stands in for FATE's TableRemotePersistentUnpickler(ctx, federation, name, tag, party, f)."""
+
+    def __init__(self, ctx, fed, name, tag, party, f):
+        super().__init__(f)
+
+
+def roundtrip(value, min_bytes=0):
+    out = frames.encode(value, min_bytes)
+    assert out is not None
+    wire = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in out.buffers))
+    assert len(wire) == out.nbytes and frames.is_frame(wire)
+    return frames.decode(frames.InFrame(memoryview(wire)), PlainUnpickler, None, None, "n", "t", ("guest", "1")), wire
+
+
+def test_mixed_arrays_roundtrip_bitwise_and_aligned():
+    rng = np.random.default_rng(1)
+    value = ([(rng.standard_normal((31, 7)), rng.standard_normal(5)) for _ in range(3)], 0.5,
+             {"k": np.arange(10, dtype=np.int32), "b": np.array([True, False]), "e": np.empty((0, 3))},
+             np.asfortranarray(rng.standard_normal((4, 6))), rng.standard_normal(9)[::2], "tag", None)
+    got, wire = roundtrip(value)
+    base = np.frombuffer(wire, dtype=np.uint8).ctypes.data
+    for (a, b), (c, d) in zip(value[0], got[0]):
+        assert a.tobytes() == c.tobytes() and b.tobytes() == d.tobytes() and c.shape == a.shape
+        assert (c.ctypes.data - base) % frames.ALIGN == 0
+    assert got[1] == 0.5 and got[5:] == ("tag", None)
+    for k in ("k", "b", "e"):
+        assert got[2][k].dtype == value[2][k].dtype and np.array_equal(got[2][k], value[2][k])
+    assert np.array_equal(got[3], value[3]) and np.array_equal(got[4], value[4])
+
+
+def test_arrays_are_views_of_the_received_buffer():
+    got, wire = roundtrip([np.ones(1000)])
+    wire[-8 - 8 - 8000:-16] = b"\x00" * 8000  # the array's bytes (before the offsets table) are zeroed
+    assert not got[0].any()
+
+
+def test_torch_tensors_keep_dtype_and_values():
+    torch = pytest.importorskip("torch")
+    ts = [torch.randn(3, 4), torch.randn(5, dtype=torch.float64), torch.arange(6).reshape(2, 3),
+          torch.randn(8).to(torch.bfloat16), torch.randn(4, requires_grad=True)]
+    got, _ = roundtrip(ts)
+    for a, b in zip(ts, got):
+        assert isinstance(b, torch.Tensor) and b.dtype == a.dtype and b.shape == a.shape
+        assert torch.equal(a.detach(), b)
+
+
+def test_small_or_unframable_objects_take_fates_path():
+    assert frames.encode([np.ones(10)], min_array_bytes=1 << 20) is None
+    assert frames.encode({"x": 1}, 0) is None  # no arrays at all: nothing to gain
+    assert frames.encode([np.array([object()], dtype=object)], 0) is None
+    assert frames.encode([np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")])], 0) is None
+
+
+def test_damaged_frames_are_clear_errors():
+    _, wire = roundtrip([np.ones(100)])
+    with pytest.raises(IntegrityError, match="malformed array frame"):
+        frames.decode(frames.InFrame(memoryview(wire[:20])), PlainUnpickler, None, None, "n", "t", None)
+    bad = bytearray(wire)
+    bad[-8:] = (10**6).to_bytes(8, "little")  # claims a million arrays
+    with pytest.raises(IntegrityError, match="malformed array frame"):
+        frames.decode(frames.InFrame(memoryview(bad)), PlainUnpickler, None, None, "n", "t", None)
+    bad = bytearray(wire)
+    bad[-16:-8] = (len(wire)).to_bytes(8, "little")  # the array's offset points past the end
+    with pytest.raises(IntegrityError, match="outside"):
+        frames.decode(frames.InFrame(memoryview(bad)), PlainUnpickler, None, None, "n", "t", None)
+
+
+def test_fates_restricted_unpickler_policy_still_applies():
+    pytest.importorskip("fate.arch.federation.api._serdes")
+    from fate.arch.federation.api._serdes import TableRemotePersistentUnpickler
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    out = frames.encode([np.ones(10), Evil()], 0)
+    wire = memoryview(b"".join(bytes(memoryview(b).cast("B")) for b in out.buffers))
+
+    class Fed:
+        local_party = ("guest", "1")
+
+    # FATE's default policy for federation payloads is "restricted": builtins.print is not allowed
+    with pytest.raises(ValueError, match="restricted"):
+        frames.decode(frames.InFrame(wire), TableRemotePersistentUnpickler, None, Fed(), "n", "t", ("host", "2"))
+    ok = frames.encode([np.ones(10), {"a": 1.5}], 0)
+    wire = memoryview(b"".join(bytes(memoryview(b).cast("B")) for b in ok.buffers))
+    got = frames.decode(frames.InFrame(wire), TableRemotePersistentUnpickler, None, Fed(), "n", "t", ("host", "2"))
+    assert got[1] == {"a": 1.5} and np.array_equal(got[0], np.ones(10))
+
+
+def test_recv_buffers_are_reused_only_when_free():
+    from fate_rdma.channel.connection import RecvBuffers
+
+    rb = RecvBuffers(1 << 20)
+    a = rb.get(1000)
+    held = np.frombuffer(memoryview(a).cast("B"), dtype=np.float64, count=10)
+    b = rb.get(1000)
+    assert b.ctypes.data != a.ctypes.data  # `a` is still referred to by `held`
+    addr = a.ctypes.data
+    del a, held, b
+    c = rb.get(900)
+    assert c.ctypes.data == addr and rb.reused == 1
+    big = rb.get(2 << 20)  # above the cache limit: allocated, not kept
+    assert big.nbytes == 2 << 20
