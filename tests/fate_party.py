@@ -1,4 +1,4 @@
-"""One FATE party (standalone engine) in its own process, for tests/test_federation.py: it gets
+"""One FATE party (standalone or OSX engine) in its own process, for tests/test_federation.py: it gets
 `--name` from the guest and prints the sha256 of what arrived, plus its fate-rdma stats, as JSON."""
 import argparse
 import hashlib
@@ -13,6 +13,7 @@ def main() -> int:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--section", default="null")
     p.add_argument("--names", default="w")
+    p.add_argument("--osx", default=None, help="host:port of an OSX server: use FATE's OSX engine")
     a = p.parse_args()
     section = json.loads(a.section)
     from fate.arch.computing.backends.standalone import CSession
@@ -25,7 +26,12 @@ def main() -> int:
         activate.install(section)
     party = ("host", "10000")
     cs = CSession(session_id=f"{a.fed_id}_host_10000", data_dir=a.data_dir)
-    fed = FederationBuilder(federation_session_id=a.fed_id, party=party, parties=[("guest", "9999"), party]).build_standalone(cs)
+    builder = FederationBuilder(federation_session_id=a.fed_id, party=party, parties=[("guest", "9999"), party])
+    if a.osx:
+        host, _, port = a.osx.rpartition(":")
+        fed = builder.build_osx(cs, host, int(port))
+    else:
+        fed = builder.build_standalone(cs)
     ctx = Context(computing=cs, federation=fed)
     out = {}
     try:

@@ -82,3 +82,19 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
     assert not any(listening(p) for p in ports)
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def test_demo_lora_job_small():
+    """`fate-rdma demo` part 1 (the main job) with a tiny GPT-2: LoRA rank large enough that its
+    payloads go over the channel; both clients end on the same weights."""
+    from fate_rdma.federation.hook import pth_path
+
+    if not os.path.exists(pth_path()):
+        pytest.skip("the start-up hook is not installed (make test runs `fate-rdma hook install`)")
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "demo", "--parts", "1", "--model", "tiny",
+                          "--lora-rank", "128", "--provider", "soft"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "clients end on the same weights: OK" in out.stdout
+    assert "[EMULATION: not RDMA figures]" in out.stdout
+    transfers = int(out.stdout.split("over the channel: ")[1].split(" transfers")[0])
+    assert transfers == 8  # sends over 2 rounds: one upload per client per round, two averages from the arbiter

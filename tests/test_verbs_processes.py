@@ -65,7 +65,7 @@ def test_bench_verbs_lines_are_labelled():
 
 
 def test_demo_small():
-    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "demo", "--params", "3000000", "--msg-mib", "4"],
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "demo", "--parts", "3", "--params", "3000000", "--msg-mib", "4"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verify:" in out.stdout and "OK" in out.stdout and "soft (emulated verbs over TCP)" in out.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -111,14 +112,31 @@ def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: in
             "--out", out]
     print(f"# {method}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=out)
+        p = run_group(cmd, timeout, out)
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"bench fate: the {method} job did not finish within {timeout} s")
+        raise SystemExit(f"bench fate: the {method} job did not finish within {timeout} s (stopped)")
     missing = [r for r in ROLES if not os.path.exists(os.path.join(out, f"{r}.json"))]
     if p.returncode != 0 or missing:
         sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
         raise SystemExit(f"bench fate: the {method} job failed (exit {p.returncode}; no result from {missing})")
     return {r: json.load(open(os.path.join(out, f"{r}.json"))) for r in ROLES}
+
+
+def run_group(cmd: List[str], timeout: float, cwd: str) -> subprocess.CompletedProcess:
+    """Run a FATE launcher job in its own process group, and take the whole group down if it overruns
+    or we are interrupted: the launcher's party processes would otherwise outlive it."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _row(method: str, res: Dict[str, Any], mode: str, scale: float, lora_rank: int) -> Dict[str, Any]:

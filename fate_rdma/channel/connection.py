@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 from concurrent.futures import Future as concurrent_futures_Future  # noqa: F401  (tests wrap checksum futures)
 import sys
 import threading
@@ -66,6 +67,18 @@ class _Out:
         self.confirmed = False
 
 
+def _fresh(n: int) -> np.ndarray:
+    """n bytes of new memory; large ones mapped with MAP_POPULATE, which faults all pages in at once
+    (about 2-3 x faster than taking one fault per 4 KiB page while the data is being copied in)."""
+    if n >= 64 << 20 and hasattr(mmap, "MAP_POPULATE"):
+        try:
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            return np.frombuffer(m, dtype=np.uint8)
+        except OSError:
+            pass
+    return np.empty(max(n, 1), dtype=np.uint8)
+
+
 class RecvBuffers:
     """FedRDMA reassembly buffers, recycled: a buffer is handed out again once no message view and no
     array made from one refers to it any more (CPython reference count), so round after round of
@@ -86,13 +99,13 @@ class RecvBuffers:
                     self.reused += 1
                     return b[:n]
             if n > self.max_bytes:
-                return np.empty(max(n, 1), dtype=np.uint8)
+                return _fresh(n)
             while self._bufs and sum(x.nbytes for x in self._bufs) + n > self.max_bytes:
                 idle = [j for j in range(len(self._bufs)) if sys.getrefcount(self._bufs[j]) == 2]
                 if not idle:
-                    return np.empty(max(n, 1), dtype=np.uint8)
+                    return _fresh(n)
                 del self._bufs[idle[0]]
-            b = np.empty(max(n, 1), dtype=np.uint8)
+            b = _fresh(n)
             self._bufs.append(b)
             return b[:n]
 
