@@ -98,3 +98,41 @@ def test_demo_lora_job_small():
     assert "[EMULATION: not RDMA figures]" in out.stdout
     transfers = int(out.stdout.split("over the channel: ")[1].split(" transfers")[0])
     assert transfers == 8  # sends over 2 rounds: one upload per client per round, two averages from the arbiter
+
+
+@pytest.mark.parametrize("example", ["gpt2_full_fedavg", "gpt2_lora_fedavg"])
+def test_fate_flow_job_conf_builds_fate_llm_runner(example, tmp_path):
+    """The fate-flow job conf next to each example: its fate_rdma section parses, and its runner_conf
+    builds FATE-LLM's Seq2SeqRunner the way the homo_nn component does, every loader block resolving
+    (with the tiny model instead of the 124M one)."""
+    import copy
+
+    import yaml
+    from fate.components.components.nn.component_utils import prepare_runner_class
+    from fate.components.components.nn.nn_runner import loader_load_from_conf
+    from fate.ml.nn.homo.fedavg import FedAVGArguments
+    from fate_llm.trainer.seq2seq_trainer import Seq2SeqTrainingArguments
+
+    from fate_rdma.federation.config import RdmaFederationConfig, load_section
+    from fate_rdma.llm import corpus
+
+    path = os.path.join(ROOT, "examples", example, "fate_flow_job.yaml")
+    cfg = RdmaFederationConfig.from_section(load_section(path))
+    assert cfg.enabled and set(cfg.endpoints) == {"guest:9999", "host:10000", "arbiter:10000"}
+    params = yaml.safe_load(open(path))["dag"]["tasks"]["nn_0"]["parameters"]
+    rc = copy.deepcopy(params["runner_conf"])
+    rc["model_conf"]["kwargs"]["model"] = "tiny"
+    runner = prepare_runner_class(params["runner_module"], params["runner_class"], rc, None)
+    assert type(runner).__name__ == "Seq2SeqRunner"
+    model = loader_load_from_conf(rc["model_conf"])
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    assert (trainable < total) == (rc["model_conf"]["kwargs"]["lora_rank"] > 0)
+    tok = loader_load_from_conf(rc["tokenizer_conf"])
+    data = tmp_path / "train.json"
+    corpus.main(["--out", str(data), "--n", "6"])
+    ds = loader_load_from_conf(rc["dataset_conf"]).load(str(tmp_path))
+    assert len(ds) == 6 and ds[0]["input_ids"].shape[0] == rc["dataset_conf"]["kwargs"]["seq_len"]
+    assert tok.decode(ds[0]["input_ids"][:3]).startswith("type")
+    Seq2SeqTrainingArguments(**rc["training_args_conf"])
+    FedAVGArguments(**rc["fed_args_conf"])

@@ -71,7 +71,8 @@ class RdmaFederationConfig:
 
 
 def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
-    """A `fate_rdma` section from a YAML/JSON file path or an inline JSON string (FATE_RDMA_CONF)."""
+    """A `fate_rdma` section from a YAML/JSON file path or an inline JSON string (FATE_RDMA_CONF): at the
+    top level, under `conf` (a task conf) or under `dag.conf` (a fate-flow job)."""
     if text_or_path.lstrip().startswith("{"):
         doc = json.loads(text_or_path)
     else:
@@ -83,5 +84,8 @@ def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
             doc = yaml.safe_load(f) or {}
     if "fate_rdma" in doc:
         return doc["fate_rdma"]
-    conf = doc.get("conf") if isinstance(doc.get("conf"), dict) else None
-    return conf.get("fate_rdma") if conf else None
+    for holder in (doc, doc.get("dag") if isinstance(doc.get("dag"), dict) else {}):  # task conf, fate-flow DAG
+        conf = holder.get("conf") if isinstance(holder.get("conf"), dict) else None
+        if conf and "fate_rdma" in conf:
+            return conf["fate_rdma"]
+    return None
