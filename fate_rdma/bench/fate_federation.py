@@ -214,21 +214,25 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
         r["peak_rss"] = human_bytes(r["peak_rss_bytes"])
-    table(rows, ["payload", "scale", "method", "mode", "provider", "size", "rounds", "round_comm_seconds", "peak_rss",
-                 "verified"])
+    for r in rows:
+        r["chunks"] = f"{r['chunks_up']} x 4 MiB" if r["chunks_up"] else f"{r['fate_slices_up']} x 1 MiB slices"
+    table(rows, ["payload", "scale", "method", "mode", "provider", "size", "chunks", "rounds", "round_comm_seconds",
+                 "peak_rss", "verified"])
     ok = True
     for scale, rank, ms in cases:
         by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank}
         if "fate" in by and "fate-rdma" in by:
             ratio = by["fate"]["round_comm_seconds"] / by["fate-rdma"]["round_comm_seconds"]
-            verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+            # the 5x target is set for GPT-2's full weights; LoRA ratios are reported as they are
+            verdict = (f"target {TARGET_RATIO:g}x: " + ("met" if ratio >= TARGET_RATIO else "NOT met")) if not rank else "no target"
             emu = " [soft provider: emulated verbs over TCP, not an RDMA figure]" if by["fate-rdma"]["emulated"] else ""
             emit({"bench": "fate", "summary": "ratio", "payload": by["fate"]["payload"], "scale": scale,
-                  "fate_over_fate_rdma": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO,
+                  "fate_over_fate_rdma": ratio, "target": None if rank else TARGET_RATIO,
+                  "met": None if rank else ratio >= TARGET_RATIO,
                   "emulated": by["fate-rdma"]["emulated"]})
             print(f"{by['fate']['payload']} at scale {scale:g}: communication per round FATE "
                   f"{by['fate']['round_comm_seconds']:.2f} s, fate-rdma {by['fate-rdma']['round_comm_seconds']:.2f} s: "
-                  f"{ratio:.1f}x less (target {TARGET_RATIO:g}x: {verdict}){emu}")
+                  f"{ratio:.1f}x less ({verdict}){emu}")
     if not all(r["verified"] for r in rows):
         print("bench fate: an average did not match the expected one", file=sys.stderr)
         ok = False
