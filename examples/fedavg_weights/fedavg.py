@@ -4,7 +4,7 @@ Each client puts its weights (float64 arrays of GPT-2-like shapes, `--params` in
 the arbiter averages them and sends the average back, for `--rounds` rounds. Each party writes the
 sha256 of its final weights and its communication seconds per round to `--out`.
 
-    python examples/fedavg_weights/fedavg.py --parties guest:9999 host:10000 arbiter:10000 --out /tmp/o
+    python examples/fedavg_weights/fedavg.py --parties guest:9999 host:10000 arbiter:10000 --out fedavg_out
     fate-rdma launch --conf examples/fedavg_weights/fate_rdma.yaml examples/fedavg_weights/fedavg.py ...
 """
 # (no `from __future__ import annotations`: FATE's argument parser reads the dataclass types)
