@@ -15,18 +15,10 @@ import pytest
 pytest.importorskip("fate_llm", reason="FATE-LLM is not installed; make test installs it")
 pytest.importorskip("peft")
 
+from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("guest", "host", "arbiter")
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def run_job(out, example, extra, conf=None):

@@ -22,11 +22,14 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..config import ChannelConfig
 from .report import emit, human_bytes, median, table
 
 ROLES = ("guest", "host", "arbiter")
 PARTIES = ["guest:9999", "host:10000", "arbiter:10000"]
 TARGET_RATIO = 5.0
+#: the channel's chunk (the bench's configuration leaves chunk_bytes at its default)
+CHUNK = ChannelConfig().chunk_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,7 +84,8 @@ def fitting_scale(per_byte: float, budget: int) -> float:
     return max(0.05, min(1.0, int(budget / full * 20) / 20))
 
 
-def _free_ports(n: int) -> List[int]:
+def free_ports(n: int) -> List[int]:
+    """`n` distinct free TCP ports on 127.0.0.1 (all held while choosing, so none repeats)."""
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -91,10 +95,14 @@ def _free_ports(n: int) -> List[int]:
     return ports
 
 
+def local_endpoints() -> Dict[str, str]:
+    """The `endpoints` of a fate_rdma section for guest, host and arbiter on this machine."""
+    return {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES, free_ports(len(PARTIES)))}
+
+
 def _conf(path: str, args: argparse.Namespace, upload: int) -> None:
     sec: Dict[str, Any] = {"enabled": True, "mode": args.mode, "provider": args.provider, "window": "auto",
-                           "threshold_bytes": 1 << 20, "fallback": "error",
-                           "endpoints": {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES, _free_ports(3))}}
+                           "threshold_bytes": 1 << 20, "fallback": "error", "endpoints": local_endpoints()}
     if args.mode == "fedrdma-e":
         sec.update(pool_slots=1, slot_bytes=upload + (16 << 20))
     with open(path, "w") as f:
@@ -207,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                     conf = os.path.join(out, "fate_rdma.json")
                     _conf(conf, args, _upload_bytes(scale, rank))
                 row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
-                row["chunks_up"] = -(-row["up_bytes"] // (4 << 20)) if method == "fate-rdma" else None
+                row["chunks_up"] = -(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None
                 row["fate_slices_up"] = -(-row["up_bytes"] // (1 << 20))
                 emit(row)
                 rows.append(row)
@@ -215,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
         r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
         r["peak_rss"] = human_bytes(r["peak_rss_bytes"])
     for r in rows:
-        r["chunks"] = f"{r['chunks_up']} x 4 MiB" if r["chunks_up"] else f"{r['fate_slices_up']} x 1 MiB slices"
+        r["chunks"] = (f"{r['chunks_up']} x {human_bytes(CHUNK)}" if r["chunks_up"]
+                       else f"{r['fate_slices_up']} x 1 MiB slices")
     table(rows, ["payload", "scale", "method", "mode", "provider", "size", "chunks", "rounds", "round_comm_seconds",
                  "peak_rss", "verified"])
     ok = True

@@ -36,16 +36,19 @@ def scaled_shapes(scale: float, lora_rank: int = 0):
     return [(max(1, int(s[0] * scale)),) + tuple(s[1:]) for s in base]
 
 
-def _check_first_average(avg, args, ranks) -> bool:
-    """Round 1's average against the plain mean of every client's initial weights (regenerated
-    from their seeds, one tensor at a time): secure aggregation and transport changed nothing."""
+def _check_average(avg, inputs, args, ranks, first_round: bool) -> bool:
+    """The last round's average against what it must be: after round 1 every client holds the same
+    weights, so the average equals this client's own inputs; in round 1 it is the plain mean of every
+    client's initial weights (regenerated from their seeds, one tensor at a time). A payload garbled
+    in any round shows here, since each round's inputs are the previous average."""
     import numpy as np
 
-    rngs = [np.random.default_rng(args.seed + r) for r in ranks]
-    if len(avg) != len(scaled_shapes(args.scale, args.lora_rank)):
+    shapes = scaled_shapes(args.scale, args.lora_rank)
+    if len(avg) != len(shapes):
         return False
-    for a, s in zip(avg, scaled_shapes(args.scale, args.lora_rank)):
-        want = sum(rng.standard_normal(int(np.prod(s))) for rng in rngs).reshape(s) / len(rngs)
+    rngs = [np.random.default_rng(args.seed + r) for r in ranks]
+    for a, x, s in zip(avg, inputs, shapes):
+        want = sum(rng.standard_normal(int(np.prod(s))) for rng in rngs).reshape(s) / len(rngs) if first_round else x
         if a.shape != want.shape or not np.allclose(a, want, rtol=1e-7, atol=1e-7):
             return False
     return True
@@ -117,8 +120,11 @@ def run(ctx) -> None:
     n = sum(w.size for w in weights)
     client = SecureAggregatorClient(prefix="bench_model")
     client.dh_exchange(ctx, ranks)
-    digest, comm, mix_seconds, verified = "", [], [], None
+    comm, mix_seconds = [], []
     for i, rctx in ctx.ctxs_range(args.rounds):
+        if i:
+            weights = [a * 0.999 for a in avg]  # the next round's "local update" (the same on every client)
+            del avg
         t0 = time.perf_counter()
         mixed = client._get_mixer().mix(weights, 0.5)
         mix_seconds.append(time.perf_counter() - t0)
@@ -130,15 +136,16 @@ def run(ctx) -> None:
         avg = rctx.arbiter.get(recv)
         elapsed = time.perf_counter() - t0
         comm.append(elapsed - rctx.arbiter.get("agg_seconds"))
-        if i == 0:
-            verified = _check_first_average(avg, args, ranks)
-        digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in avg)).hexdigest()
-        weights = [a * 0.999 for a in avg]  # the next round's "local update"
-        del avg
+    # checked once all rounds are timed, so the check never competes with another party's timed part;
+    # the clients also compare digests, so an average that differs between them cannot pass
+    verified = _check_average(avg, weights, args, ranks, first_round=args.rounds == 1)
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in avg)).hexdigest()
+    others = [p for p in ranks if p != ctx.local.rank]
+    for r in others:
+        ctx.parties[r].put("bench_final_digest", digest)
+    verified = verified and all(ctx.parties[r].get("bench_final_digest") == digest for r in others)
     _record(ctx, args, role, comm, {"params": n, "tensors": len(weights), "up_bytes": 16 * n, "down_bytes": 8 * n,
-                                    "sha256": digest, "mix_seconds": mix_seconds,
-                                    "verified": verified})
-
+                                    "mix_seconds": mix_seconds, "verified": verified})
 
 if __name__ == "__main__":
     from fate.arch.launchers.multiprocess_launcher import launch

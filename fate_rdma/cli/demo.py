@@ -119,7 +119,7 @@ def _lora_job(args: argparse.Namespace) -> bool:
     import sys
     import tempfile
 
-    from ..bench.fate_federation import PARTIES, _free_ports, run_group
+    from ..bench.fate_federation import PARTIES, local_endpoints, run_group
 
     print(f"[1] GPT-2 ({'124M' if args.model == 'gpt2' else 'tiny'}) + LoRA r={args.lora_rank}, FedAvg with FATE-LLM, guest + host + arbiter, "
           f"{args.rounds} rounds, over fate-rdma", flush=True)
@@ -129,8 +129,7 @@ def _lora_job(args: argparse.Namespace) -> bool:
         conf = os.path.join(tmp, "fate_rdma.json")
         with open(conf, "w") as f:
             json.dump({"fate_rdma": {"enabled": True, "mode": "fedrdma-e", "slot_bytes": 64 << 20, "too_large": "fedrdma",
-                                     "provider": args.provider,
-                                     "endpoints": {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES, _free_ports(3))}}}, f)
+                                     "provider": args.provider, "endpoints": local_endpoints()}}, f)
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
             f.write("from fate_rdma.llm.gpt2_fedavg import main\nif __name__ == '__main__':\n    main()\n")

@@ -2,7 +2,9 @@
 small descriptor travels through FATE's own federation under the same name and tag. FATE's
 ordering, blocking `get`, duplicate-name checks and errors therefore stay FATE's own.
 
-Descriptor (through FATE): DESC_MAGIC + JSON {"id", "length", "crc32c", "src", "endpoint", "session"}.
+Descriptor (through FATE): DESC_MAGIC + JSON {"id", "length", "crc32c", "src", "endpoint", "session", "frame"}.
+"crc32c" is null when the channel's own end-to-end crc32c already covers the bytes (checksum: crc32c,
+the default), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
 FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic cannot be mistaken.
 """
 from __future__ import annotations
@@ -110,9 +112,11 @@ class RdmaFederation:
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
         t0 = time.perf_counter()
         bufs = v.buffers if framed else [v]
-        crc = 0
-        for b in bufs:
-            crc = crc32c.crc32c(b, crc)
+        crc: Optional[int] = None
+        if self.cfg.channel.checksum != "crc32c":  # else the channel checks every byte end to end already
+            crc = 0
+            for b in bufs:
+                crc = crc32c.crc32c(b, crc)
         sends: List[Tuple[Tuple[str, str], str, Any]] = []
         for p in parties:
             key = uuid.uuid4().hex
@@ -187,13 +191,14 @@ class RdmaFederation:
     def _resolve(self, raw: bytes, party: Tuple[str, str], name: str) -> bytes:
         try:
             desc = json.loads(raw)
-            key, length, crc = desc["id"], int(desc["length"]), int(desc["crc32c"])
-        except (ValueError, KeyError, TypeError) as exc:
+            key, length, crc = desc["id"], int(desc["length"]), desc.get("crc32c")
+            crc = None if crc is None else int(crc)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise IntegrityError(f"fate-rdma: malformed descriptor for {name!r} from {party_key(party)}: {exc}") from exc
         data = self._store.take(key, self.cfg.pull_timeout_s)
         if len(data) != length:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: {len(data)} bytes arrived, descriptor says {length}")
-        if crc32c.crc32c(data) != crc:
+        if crc is not None and crc32c.crc32c(data) != crc:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: checksum does not match its descriptor")
         if desc.get("frame"):
             if not frames.is_frame(data):
