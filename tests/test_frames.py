@@ -117,3 +117,20 @@ def test_recv_buffers_are_reused_only_when_free():
     assert c.ctypes.data == addr and rb.reused == 1
     big = rb.get(2 << 20)  # above the cache limit: allocated, not kept
     assert big.nbytes == 2 << 20
+
+
+def test_message_detach_copies_only_slots():
+    from fate_rdma.channel.connection import RecvBuffers
+    from fate_rdma.channel.transfer import Message
+
+    own = np.arange(64, dtype=np.uint8)
+    msg = Message("p", 1, {}, memoryview(own).cast("B"), "fedrdma")
+    view = msg.detach()
+    assert np.frombuffer(view, dtype=np.uint8).ctypes.data == own.ctypes.data  # zero copy
+    released = []
+    slot = np.arange(64, dtype=np.uint8)
+    msg = Message("p", 2, {}, memoryview(slot).cast("B"), "fedrdma-e", lambda: released.append(2), RecvBuffers(1 << 20).get)
+    view = msg.detach()
+    assert released == [2] and bytes(view) == slot.tobytes()
+    slot[:] = 0  # the slot is reused by the sender: the detached payload must not change
+    assert bytes(view) == np.arange(64, dtype=np.uint8).tobytes()

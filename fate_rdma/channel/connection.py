@@ -636,7 +636,7 @@ class Connection:
             md = json.loads(meta or b"{}")
         except ValueError:
             md = {"_raw_metadata": meta.hex()}
-        self.endpoint._inbox_put(Message(self.peer, tid, md, view, mode, releaser))
+        self.endpoint._inbox_put(Message(self.peer, tid, md, view, mode, releaser, self.endpoint.recv_buffers.get))
 
     # -- control sends --------------------------------------------------------------------------
     def _send_ctrl(self, c: P.Ctrl) -> None:

@@ -91,18 +91,32 @@ class Message:
     """
 
     def __init__(self, peer: str, transfer_id: int, metadata: Dict[str, Any], view: memoryview, mode: str,
-                 releaser: Optional[Callable[[], None]] = None) -> None:
+                 releaser: Optional[Callable[[], None]] = None, alloc: Optional[Callable[[int], Any]] = None) -> None:
         self.peer = peer
         self.transfer_id = transfer_id
         self.metadata = metadata
         self.view = view
         self.mode = mode
         self._releaser = releaser
+        self._alloc = alloc
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
         return self.view.nbytes
+
+    def detach(self) -> memoryview:
+        """The payload as a byte view that outlives the message, which is released. Zero copy when the
+        payload has a buffer of its own (FedRDMA reassembly); one copy, into a recycled buffer of the
+        endpoint, when it is a FedRDMA-E receive slot that must go back to the sender."""
+        view = self.view
+        if self._releaser is not None:
+            buf = self._alloc(view.nbytes) if self._alloc is not None else bytearray(view.nbytes)
+            out = memoryview(buf).cast("B")
+            out[:] = view
+            view = out
+        self.release()
+        return view
 
     def release(self) -> None:
         with self._lock:

@@ -17,7 +17,6 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import crc32c
-import numpy as np
 
 from ..channel import Endpoint
 from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable, TransferTimeout
@@ -91,13 +90,7 @@ class RdmaFederation:
             except Exception:
                 return
             key = msg.metadata.get("id")
-            if msg.mode == "fedrdma":
-                data = msg.view  # a buffer of its own: FATE (or a frame's arrays) use it in place
-            else:  # a FedRDMA-E receive slot: copy out once and free the slot for the sender at once
-                buf = self.endpoint.recv_buffers.get(msg.nbytes)  # recycled: no fresh page faults each round
-                buf[:] = np.frombuffer(msg.view, dtype=np.uint8)
-                data = memoryview(buf).cast("B")
-                msg.release()
+            data = msg.detach()  # FATE (or a frame's arrays) use it in place; a FedRDMA-E slot goes back now
             if isinstance(key, str):
                 self._store.put(key, data)
 
