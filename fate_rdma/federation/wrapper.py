@@ -68,6 +68,7 @@ class RdmaFederation:
         self.threshold = min(cfg.threshold_bytes, self._orig_max)
         self._store = _Store()
         self._warned_fallback: set = set()
+        self._fallback_tables: List[Any] = []
         self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0}
         self._stop = False
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
@@ -168,6 +169,9 @@ class RdmaFederation:
                                            key_serdes_type=0, value_serdes_type=0, partitioner_type=0)
         meta = TableMeta(num_partitions=parts, key_serdes_type=0, value_serdes_type=0, partitioner_type=0)
         self.fed.push_table(table, _SplitTableUtil.get_split_table_key(name), tag=tag, parties=parties)
+        # keep the slice table until the job ends: dropping it at once (standalone destroys a table when
+        # it is collected) raced with the peer loading the pushed copy ("table not exist")
+        self._fallback_tables.append(table)
         self._orig_push(v=_FederationBytesCoder.encode_split(meta, len(body), n, size), name=name, tag=tag, parties=parties)
 
     # -- pull -----------------------------------------------------------------------------------
@@ -209,5 +213,6 @@ class RdmaFederation:
     def close(self) -> None:
         if not self._stop:
             self._stop = True
+            self._fallback_tables.clear()
             self.endpoint.close()
             self._rx.join(timeout=2)
