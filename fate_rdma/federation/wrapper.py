@@ -157,7 +157,10 @@ class RdmaFederation:
 
     def _fate_push(self, v: bytes, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
         """FATE's own path, sliced exactly as FATE slices pickles above its max message size."""
-        if v[:1] != b"\x00" or len(v) - 1 <= self._orig_max:
+        # FATE's standalone store takes an object of any size in one piece; its slice-table path raced
+        # with the peer loading the table ("table not exist"), so standalone gets the pickle whole
+        standalone = type(self.fed).__name__ == "StandaloneFederation"
+        if v[:1] != b"\x00" or len(v) - 1 <= self._orig_max or standalone:
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
         from fate.arch.federation.api._serdes import _FederationBytesCoder, _SplitTableUtil
         from fate.arch.federation.api._table_meta import TableMeta
