@@ -19,6 +19,8 @@ class WC:
     imm_data: Optional[int] = None
     qp_num: int = 0
     vendor_err: int = 0
+    #: why the provider failed this WR, when it knows more than the status says (soft provider)
+    reason: str = dataclasses.field(default="", compare=False)
 
     @property
     def ok(self) -> bool:
@@ -145,3 +147,5 @@ class DeviceInfo:
     max_cqe: int
     ports: Tuple[PortInfo, ...] = ()
     notes: str = ""
+    #: memory windows the device can allocate (`ibv_device_attr.max_mw`; 0: none, or unknown)
+    max_mw: int = 0

@@ -104,7 +104,7 @@ def test_fates_restricted_unpickler_policy_still_applies():
 
 
 def test_recv_buffers_are_reused_only_when_free():
-    from fate_rdma.channel.connection import RecvBuffers
+    from fate_rdma.channel.buffers import RecvBuffers
 
     rb = RecvBuffers(1 << 20)
     a = rb.get(1000)
@@ -120,7 +120,7 @@ def test_recv_buffers_are_reused_only_when_free():
 
 
 def test_message_detach_copies_only_slots():
-    from fate_rdma.channel.connection import RecvBuffers
+    from fate_rdma.channel.buffers import RecvBuffers
     from fate_rdma.channel.transfer import Message
 
     own = np.arange(64, dtype=np.uint8)

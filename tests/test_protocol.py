@@ -243,3 +243,199 @@ def test_fuzz_machines_only_package_errors_escape(events):
                 r.on_chunk(P.decode_header(P.encode_header(h)), memoryview(bytes(10)), 0.0)
         except E.FateRdmaError:
             pass
+
+
+# -- FedRDMA-E's PLACED state and the receiver's verdict ----------------------------------------------
+SS = P.fedrdma.SendState
+
+
+def placed_sender(total=30, chunk=10, window=4):
+    s = P.FedRdmaESender(7, 7, 0, total, chunk, window, 0.0, slot_payload_bytes=100, no_progress_s=5)
+    for c in s.next_chunks():
+        s.on_write_complete(c.seq, 0.0)
+    return s
+
+
+def test_fedrdma_e_placed_then_confirmed():
+    s = placed_sender()
+    assert s.state is SS.PLACED and s.finished and not s.settled
+    assert s.on_confirm() is True
+    assert s.state is SS.DONE and s.settled
+    assert s.on_confirm() is False  # a duplicate DONE changes nothing
+
+
+def test_fedrdma_e_done_overtaking_the_last_completion():
+    s = P.FedRdmaESender(7, 7, 0, 30, 10, 4, 0.0, slot_payload_bytes=100)
+    chunks = s.next_chunks()
+    for c in chunks[:-1]:
+        s.on_write_complete(c.seq, 0.0)
+    assert s.on_confirm() is False and s.state is SS.SENDING  # noted, not yet DONE
+    s.on_write_complete(chunks[-1].seq, 0.0)
+    assert s.state is SS.DONE
+
+
+def test_fedrdma_e_done_before_the_header_is_a_protocol_error():
+    s = P.FedRdmaESender(7, 7, 0, 30, 10, 1, 0.0, slot_payload_bytes=100)
+    s.next_chunks()  # chunk 2 only: the header (chunk 0) is not written yet
+    with pytest.raises(E.RemoteProtocolError, match="before its header"):
+        s.on_confirm()
+
+
+def test_fedrdma_e_placed_without_verdict_times_out():
+    s = placed_sender()
+    s.tick(4.0)
+    with pytest.raises(E.TransferTimeout, match="did not confirm"):
+        s.tick(6.0)
+    assert s.state is SS.FAILED and s.settled
+
+
+@pytest.mark.parametrize("event", ["cancel", "fail"])
+def test_fedrdma_e_placed_can_be_cancelled_or_failed(event):
+    s = placed_sender()
+    s.cancel("bye") if event == "cancel" else s.fail(E.IntegrityError("refused", 7))
+    assert s.state is (SS.CANCELLED if event == "cancel" else SS.FAILED)
+    assert s.on_confirm() is False  # a late DONE does not resurrect it
+
+
+def test_fedrdma_e_transition_table_is_closed():
+    s = placed_sender()
+    with pytest.raises(E.LocalProtocolError, match="not allowed in state placed"):
+        s._move("complete")  # FedRDMA's event means nothing to FedRDMA-E
+    s.on_confirm()
+    for ev in ("placed", "confirm", "cancel", "fail"):
+        with pytest.raises(E.LocalProtocolError):
+            s._move(ev)
+
+
+def run_fedrdma_e(payload: bytes, chunk: int, window: int, net: Net, qps: int = 1):
+    """Sender and receiver over an adversarial network: WRITE completions and the receiver's DONE
+    arrive in any order (the DONE travels on another path than the completions)."""
+    ring = P.SlotRing(1)
+    recv = P.FedRdmaEReceiver(1, 1 << 16, meta_cap=64)
+    pool = bytearray(recv.slot_bytes)
+    pay = slot_payload_offset(64)
+    s = P.FedRdmaESender(9, 9, ring.acquire(), len(payload), chunk, window, 0.0, slot_payload_bytes=1 << 16,
+                         header_after_all=qps > 1, no_progress_s=5)
+    now = 0.0
+    crc = crc32c.crc32c(payload)
+    while not s.settled:
+        for c in s.next_chunks():
+            pool[pay + c.offset:pay + c.offset + c.length] = payload[c.offset:c.offset + c.length]
+            if c.seq == 0:
+                pool[:64] = P.encode_header(s.header(0, crc))
+                msg = recv.on_write_imm(s.imm, memoryview(pool)[:64])  # the WRITE_WITH_IMM's notice
+                recv.verify(msg, 0, crc32c.crc32c(bytes(pool[pay:pay + msg.header.total])))
+                net.put(("done", 0))
+            net.put(("wc", c.seq))
+        ev = net.take()
+        if ev is not None:
+            kind, seq = ev
+            if kind == "wc":
+                s.on_write_complete(seq, now)
+            else:
+                s.on_confirm()
+        now += 0.01
+        s.tick(now)
+    return bytes(pool[pay:pay + len(payload)]), s
+
+
+@pytest.mark.parametrize("window", [1, 3, 16])
+@pytest.mark.parametrize("sched", ["inorder", "reorder", "dup"])
+def test_fedrdma_e_in_memory_with_verdicts(window, sched):
+    payload = bytes(random.Random(window).randbytes(5000))
+    net = Net(window, reorder=sched == "reorder", dup=0.3 if sched == "dup" else 0.0)
+    got, s = run_fedrdma_e(payload, 512, window, net, qps=1 + window % 2)
+    assert got == payload and s.state is SS.DONE
+
+
+def test_fedrdma_e_lost_verdict_ends_in_timeout_not_a_hang():
+    class DropDone(Net):
+        def put(self, frame):
+            if frame[0] != "done":
+                super().put(frame)
+
+    with pytest.raises(E.TransferTimeout, match="did not confirm"):
+        run_fedrdma_e(bytes(3000), 512, 4, DropDone(3))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(-2, 12)), max_size=60))
+def test_fuzz_fedrdma_e_sender_only_package_errors_escape(events):
+    s = P.FedRdmaESender(1, 1, 0, 100, 10, 4, 0.0, slot_payload_bytes=100, no_progress_s=1)
+    for kind, v in events:
+        try:
+            if kind == 0:
+                s.next_chunks()
+            elif kind == 1:
+                s.on_write_complete(v, 0.0)
+            elif kind == 2:
+                s.on_confirm()
+            elif kind == 3:
+                s.tick(float(v))
+            else:
+                s.cancel()
+        except E.FateRdmaError:
+            pass
+        assert s.state in SS
+
+
+# -- policy: mode, window, Link-Enable, staging credit --------------------------------------------------
+from fate_rdma.protocol import policy  # noqa: E402
+
+
+def test_choose_mode():
+    M = policy.Mode
+    assert policy.choose_mode("fedrdma-e", 10, 10, False, "error") is M.FEDRDMA_E
+    with pytest.raises(E.PayloadTooLarge, match="exceeds host:1's FedRDMA-E receive slot of 10"):
+        policy.choose_mode("fedrdma-e", 11, 10, False, "error", peer="host:1")
+    with pytest.raises(E.PayloadTooLarge, match="too_large: fedrdma"):
+        policy.choose_mode("fedrdma-e", 11, 10, False, "fedrdma")  # no staging offered: cannot fall back
+    assert policy.choose_mode("fedrdma-e", 11, 10, True, "fedrdma") is M.FEDRDMA
+    assert policy.choose_mode("fedrdma-e", 5, None, True, "fedrdma") is M.FEDRDMA
+    assert policy.choose_mode("fedrdma", 1 << 40, None, True, "error") is M.FEDRDMA
+    with pytest.raises(E.ConfigError, match="no FedRDMA staging"):
+        policy.choose_mode("fedrdma", 5, 10, False, "error")
+
+
+def test_auto_window_fills_the_bandwidth_delay_product():
+    # 10 Gbit/s x 20 ms = 25 MB: 6 chunks of 4 MiB, plus one
+    assert policy.auto_window(10e9, 0.020, 4 << 20, 2, 64) == 7
+    assert policy.auto_window(10e9, 0.0, 4 << 20, 2, 64) == 2  # loopback: the minimum
+    assert policy.auto_window(100e9, 1.0, 4 << 20, 2, 64) == 64  # clamped
+    with pytest.raises(E.LocalProtocolError):
+        policy.auto_window(1e9, 0.01, 4096, 5, 4)
+
+
+def test_link_enable_first_chunk():
+    assert policy.first_chunk_bytes("auto", 10e9) == policy.LINK_ENABLE_BYTES
+    assert policy.first_chunk_bytes("auto", 1e9) == 0
+    assert policy.first_chunk_bytes(True, 1e6) == policy.LINK_ENABLE_BYTES
+    assert policy.first_chunk_bytes(False, 100e9) == 0
+
+
+def test_staging_credits():
+    c = policy.StagingCredits(2)
+    a, b = c.take(), c.take()
+    assert {a, b} == {0, 1} and c.available == 0
+    with pytest.raises(E.LocalProtocolError):
+        c.take()
+    c.give_back(a)
+    with pytest.raises(E.RemoteProtocolError, match="not in use"):
+        c.give_back(a)  # a duplicate ACK naming the same buffer
+    with pytest.raises(E.RemoteProtocolError, match="not in use"):
+        c.give_back(7)
+    assert c.available == 1
+
+
+def test_fedrdma_sender_respects_staging_credit():
+    s = P.FedRdmaSender(1, 100, 10, 8, 0.0)
+    assert len(s.next_chunks(credit=3)) == 3
+    assert len(s.next_chunks(credit=0)) == 0
+    assert len(s.next_chunks()) == 5  # the window (8) is the other bound
+
+
+def test_received_bytes_counts_bytes():
+    r = P.FedRdmaReceiver(1000)
+    h = P.Header(P.HeaderKind.CHUNK, 4, 1, 3, 10, 10, 0, 25)
+    r.on_chunk(h, memoryview(bytes(10)), 0.0)
+    assert r.received_bytes(4) == 10 and r.received_bytes(5) == 0

@@ -9,20 +9,27 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import struct
-from typing import List, Sequence
+import threading
+from typing import Dict, List, Sequence
 
 import crc32c
 
 BLOCK_BYTES = 4 << 20
-_POOL = None
+_POOLS: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
-                                                      thread_name_prefix="fate-rdma-crc")
-    return _POOL
+def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
+    """Two pools, so that no task ever waits on its own pool: "payload" runs whole-payload checksums
+    (which wait for their blocks), "block" runs block checksums (which wait for nothing). One shared
+    pool deadlocked as soon as every worker held a payload task waiting for blocks queued behind it."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(kind)
+        if pool is None:
+            workers = max(1, min(4, os.cpu_count() or 1))
+            pool = _POOLS[kind] = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                                        thread_name_prefix=f"fate-rdma-crc-{kind}")
+        return pool
 
 
 def _blocks(views: Sequence[memoryview]) -> List[List[memoryview]]:
@@ -55,9 +62,10 @@ def payload_checksum(views: Sequence[memoryview]) -> int:
     if len(blocks) <= 1:
         crcs = [_crc_pieces(b) for b in blocks]
     else:
-        crcs = list(_pool().map(_crc_pieces, blocks))
+        crcs = list(_pool("block").map(_crc_pieces, blocks))
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 
 def payload_checksum_async(views: Sequence[memoryview]) -> "concurrent.futures.Future[int]":
-    return _pool().submit(payload_checksum, list(views))
+    """payload_checksum on a worker thread (the sender overlaps it with the first chunks on the wire)."""
+    return _pool("payload").submit(payload_checksum, list(views))

@@ -11,7 +11,8 @@ import easypyverbs as ev
 
 from ..config import ChannelConfig
 from ..errors import PeerUnreachable, TransferTimeout
-from .connection import Connection, RecvBuffers
+from .buffers import RecvBuffers
+from .connection import Connection
 from .transfer import Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import easypyverbs as ev
 
@@ -139,11 +139,3 @@ def group_sges(sges: List[ev.SGE], max_sge: int) -> List[List[ev.SGE]]:
     """Split an SGE list into WRs of at most `max_sge` elements."""
     return [sges[i:i + max_sge] for i in range(0, len(sges), max_sge)] or [[]]
 
-
-def remote_pieces(groups: List[List[ev.SGE]], start: int) -> List[Tuple[List[ev.SGE], int]]:
-    """Pair each WR's SGEs with its remote offset, consecutive from `start`."""
-    out, off = [], start
-    for g in groups:
-        out.append((g, off))
-        off += sum(s.length for s in g)
-    return out

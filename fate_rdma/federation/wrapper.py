@@ -36,16 +36,26 @@ class _Store:
     def __init__(self) -> None:
         self._items: Dict[str, Any] = {}
         self._cv = threading.Condition()
+        self._failed: Optional[BaseException] = None
 
     def put(self, key: str, data: Any) -> None:
         with self._cv:
             self._items[key] = data
             self._cv.notify_all()
 
+    def fail(self, exc: BaseException) -> None:
+        """Nothing more can arrive: every waiting and later `take` of a missing key raises at once."""
+        with self._cv:
+            self._failed = exc
+            self._cv.notify_all()
+
     def take(self, key: str, timeout_s: float) -> Any:
         with self._cv:
-            if not self._cv.wait_for(lambda: key in self._items, timeout_s):
+            if not self._cv.wait_for(lambda: key in self._items or self._failed is not None, timeout_s):
                 raise TransferTimeout(f"payload {key} announced by its descriptor did not arrive within {timeout_s:g} s")
+            if key not in self._items:
+                raise PeerUnreachable(f"payload {key} cannot arrive: fate-rdma's receive loop failed: "
+                                      f"{self._failed!r}") from self._failed
             return self._items.pop(key)
 
     def __len__(self) -> int:
@@ -83,17 +93,24 @@ class RdmaFederation:
 
     # -- receiving ------------------------------------------------------------------------------
     def _receive(self) -> None:
-        while not self._stop:
-            try:
-                msg = self.endpoint.recv(timeout=0.5)
-            except TransferTimeout:
-                continue
-            except Exception:
-                return
-            key = msg.metadata.get("id")
-            data = msg.detach()  # FATE (or a frame's arrays) use it in place; a FedRDMA-E slot goes back now
-            if isinstance(key, str):
-                self._store.put(key, data)
+        try:
+            while not self._stop:
+                try:
+                    msg = self.endpoint.recv(timeout=0.5)
+                except TransferTimeout:
+                    continue
+                key = msg.metadata.get("id")
+                data = msg.detach()  # FATE (or a frame's arrays) use it in place; a FedRDMA-E slot goes back now
+                if isinstance(key, str):
+                    self._store.put(key, data)
+                else:
+                    log.warning("fate-rdma: dropped transfer %d from %s: its metadata carries no payload id",
+                                msg.transfer_id, msg.peer)
+        except BaseException as exc:  # every waiting get() learns why at once, instead of timing out
+            if not self._stop:
+                log.error("fate-rdma: receive loop of %s failed; pending and later gets fail: %r",
+                          party_key(self.local), exc)
+            self._store.fail(exc)
 
     # -- push -----------------------------------------------------------------------------------
     def frame(self, value: Any) -> Optional[frames.OutFrame]:

@@ -3,8 +3,9 @@
 Beyond the paper: a window of W chunks in flight (W=1 is the paper's stop-and-wait), a no-progress
 deadline and a total deadline, cancellation, and per-chunk crc32c.
 
-Sender states (transitions in `_SENDER_TRANSITIONS`; anything else is a LocalProtocolError):
-    SENDING --all ACKed--> DONE;  SENDING --cancel--> CANCELLED;  SENDING --error--> FAILED
+Sender states (transitions in `FedRdmaSender.TRANSITIONS`; anything else is a LocalProtocolError):
+    SENDING --all ACKed--> DONE;  SENDING --cancel--> CANCELLED;  SENDING --fail--> FAILED
+(FedRDMA-E adds PLACED: see fedrdma_e.py.)
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Dict, List, Optional, Set
 
 import crc32c
 
-from ..errors import (IntegrityError, LocalProtocolError, RemoteProtocolError, TransferCancelled,
+from ..errors import (IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError, TransferCancelled,
                       TransferTimeout)
 from .chunking import Chunk, plan_chunks
 from .frames import Header, HeaderKind
@@ -22,16 +23,22 @@ from .frames import Header, HeaderKind
 
 class SendState(enum.Enum):
     SENDING = "sending"
+    PLACED = "placed"  # FedRDMA-E: every WRITE completed; waiting for the receiver's verdict (DONE)
     DONE = "done"
     CANCELLED = "cancelled"
     FAILED = "failed"
 
 
-_SENDER_TRANSITIONS = {
-    (SendState.SENDING, "complete"): SendState.DONE,
-    (SendState.SENDING, "cancel"): SendState.CANCELLED,
-    (SendState.SENDING, "fail"): SendState.FAILED,
-}
+class SendEvent(enum.Enum):
+    COMPLETE = "complete"  # FedRDMA: the last chunk was ACKed
+    PLACED = "placed"  # FedRDMA-E: the last WRITE completed
+    CONFIRM = "confirm"  # FedRDMA-E: the receiver's DONE (verified and delivered)
+    CANCEL = "cancel"
+    FAIL = "fail"
+
+
+#: states in which a transfer is over, for good or ill
+TERMINAL = frozenset({SendState.DONE, SendState.CANCELLED, SendState.FAILED})
 
 
 class _Deadlines:
@@ -53,7 +60,15 @@ class _Deadlines:
 
 
 class SenderBase:
-    """State shared by both modes' senders: the plan, the state table, deadlines and progress."""
+    """State shared by both modes' senders: the plan, the state table, deadlines and progress.
+
+    Each subclass names its transitions in `TRANSITIONS`, {(state, event): next state}."""
+
+    TRANSITIONS = {
+        (SendState.SENDING, SendEvent.COMPLETE): SendState.DONE,
+        (SendState.SENDING, SendEvent.CANCEL): SendState.CANCELLED,
+        (SendState.SENDING, SendEvent.FAIL): SendState.FAILED,
+    }
 
     def __init__(self, transfer_id: int, chunks: List[Chunk], window: int, now: float,
                  no_progress_s: float, total_s: float) -> None:
@@ -70,24 +85,31 @@ class SenderBase:
         self._in_flight: Set[int] = set()
         self._done: Set[int] = set()
 
-    def _move(self, event: str) -> None:
-        nxt = _SENDER_TRANSITIONS.get((self.state, event))
+    def _move(self, event: "SendEvent | str") -> None:
+        ev = SendEvent(event)
+        nxt = self.TRANSITIONS.get((self.state, ev))
         if nxt is None:
-            raise LocalProtocolError(f"transfer {self.transfer_id}: {event!r} not allowed in state {self.state.value}")
+            raise LocalProtocolError(f"transfer {self.transfer_id}: {ev.value!r} not allowed in state {self.state.value}")
         self.state = nxt
 
     @property
     def finished(self) -> bool:
+        """No more chunks to post or complete (DONE, PLACED, CANCELLED or FAILED)."""
         return self.state is not SendState.SENDING
 
+    @property
+    def settled(self) -> bool:
+        """The transfer is over: DONE, CANCELLED or FAILED."""
+        return self.state in TERMINAL
+
     def cancel(self, reason: str = "cancelled by sender") -> None:
-        if self.state is SendState.SENDING:
-            self._move("cancel")
+        if self.state not in TERMINAL:
+            self._move(SendEvent.CANCEL)
             self.error = TransferCancelled(f"transfer {self.transfer_id}: {reason}", self.transfer_id)
 
     def fail(self, exc: BaseException) -> None:
-        if self.state is SendState.SENDING:
-            self._move("fail")
+        if self.state not in TERMINAL:
+            self._move(SendEvent.FAIL)
             self.error = exc
 
     def tick(self, now: float) -> None:
@@ -112,8 +134,11 @@ class SenderBase:
         self.done_bytes += self.chunks[seq].length
         self._deadlines.progress(now)
         if len(self._done) == len(self.chunks):
-            self._move("complete")
+            self._all_chunks_done()
         return True
+
+    def _all_chunks_done(self) -> None:
+        self._move(SendEvent.COMPLETE)
 
 
 class FedRdmaSender(SenderBase):
@@ -125,10 +150,13 @@ class FedRdmaSender(SenderBase):
                          no_progress_s, total_s)
         self._next = 0
 
-    def next_chunks(self) -> List[Chunk]:
-        """Chunks to post now (the window permitting); each becomes in flight."""
-        out = []
-        while self.state is SendState.SENDING and self._next < len(self.chunks) and len(self._in_flight) < self.window:
+    def next_chunks(self, credit: Optional[int] = None) -> List[Chunk]:
+        """Chunks to post now (the window, and `credit` free staging buffers of the peer, permitting);
+        each becomes in flight."""
+        out: List[Chunk] = []
+        limit = len(self.chunks) if credit is None else credit
+        while (self.state is SendState.SENDING and self._next < len(self.chunks) and len(self._in_flight) < self.window
+               and len(out) < limit):
             c = self.chunks[self._next]
             self._in_flight.add(c.seq)
             self._next += 1
@@ -165,6 +193,7 @@ class _Partial:
     got: Set[int]
     last_progress: float
     meta_len: int
+    got_bytes: int = 0
 
 
 class FedRdmaReceiver:
@@ -198,8 +227,9 @@ class FedRdmaReceiver:
         first = p is None
         if first:
             if hdr.total > self.max_total_bytes:
-                raise RemoteProtocolError(f"transfer {hdr.transfer_id}: {hdr.total} bytes exceed this receiver's "
-                                          f"limit of {self.max_total_bytes}")
+                self._cancelled.add(hdr.transfer_id)
+                raise PayloadTooLarge(f"transfer {hdr.transfer_id}: {hdr.total} bytes exceed this receiver's "
+                                      f"limit of {self.max_total_bytes}", hdr.transfer_id)
             p = self._partial[hdr.transfer_id] = _Partial(hdr.total, hdr.nchunks, set(), now, 0)
         elif (p.total, p.nchunks) != (hdr.total, hdr.nchunks):
             raise RemoteProtocolError(f"transfer {hdr.transfer_id}: chunk {hdr.seq} disagrees on size "
@@ -207,6 +237,7 @@ class FedRdmaReceiver:
         if hdr.seq in p.got:
             return None
         p.got.add(hdr.seq)
+        p.got_bytes += hdr.length
         p.last_progress = now
         complete = len(p.got) == p.nchunks
         if complete:
@@ -215,8 +246,9 @@ class FedRdmaReceiver:
         return Placed(hdr.transfer_id, hdr.seq, hdr.offset, first, complete)
 
     def received_bytes(self, transfer_id: int) -> int:
+        """Payload bytes of a transfer in progress that have arrived so far (0 when none is)."""
         p = self._partial.get(transfer_id)
-        return 0 if p is None else len(p.got)
+        return 0 if p is None else p.got_bytes
 
     def cancel(self, transfer_id: int) -> bool:
         """Forget a partial transfer (the peer or this side cancelled it). True if it was in progress."""

@@ -12,15 +12,22 @@ is still held.
 Beyond the paper: W chunks in flight (W=1 is stop-and-wait), whole-payload crc32c, deadlines,
 cancellation. With several QPs, placement order across QPs is not guaranteed, so the header chunk
 waits until every other chunk has completed (RC completion = placed at the responder).
+
+Sender states (`FedRdmaESender.TRANSITIONS`; anything else is a LocalProtocolError):
+    SENDING --last WRITE completed--> PLACED --receiver's DONE--> DONE
+    SENDING --DONE (overtook the last WRITE's completion; noted)--> SENDING, then --placed--> DONE
+    SENDING or PLACED --cancel--> CANCELLED;  SENDING or PLACED --fail / deadline--> FAILED
+The receiver answers DONE only after its checksum, so PLACED (bytes in the slot) is not success:
+a PLACED transfer that the receiver does not confirm within the no-progress deadline fails.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import List, Optional, Set
 
-from ..errors import IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
+from ..errors import IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError, TransferTimeout
 from .chunking import Chunk, plan_chunks
-from .fedrdma import SenderBase, SendState
+from .fedrdma import TERMINAL, SendEvent, SenderBase, SendState
 from .frames import HEADER, MAX_META, Header, HeaderKind, decode_header
 
 
@@ -66,13 +73,19 @@ class SlotRing:
         """A transfer that never reached the peer (cancelled before its header): the slot is ours again."""
         self._free[slot] = True
 
-    @property
-    def free_slots(self) -> int:
-        return sum(self._free)
-
 
 class FedRdmaESender(SenderBase):
-    """Back-to-front WRITEs into one slot of the peer, header chunk last."""
+    """Back-to-front WRITEs into one slot of the peer, header chunk last; DONE on the receiver's verdict."""
+
+    TRANSITIONS = {
+        (SendState.SENDING, SendEvent.PLACED): SendState.PLACED,
+        (SendState.SENDING, SendEvent.CONFIRM): SendState.SENDING,  # DONE overtook the last completion
+        (SendState.PLACED, SendEvent.CONFIRM): SendState.DONE,
+        (SendState.SENDING, SendEvent.CANCEL): SendState.CANCELLED,
+        (SendState.PLACED, SendEvent.CANCEL): SendState.CANCELLED,
+        (SendState.SENDING, SendEvent.FAIL): SendState.FAILED,
+        (SendState.PLACED, SendEvent.FAIL): SendState.FAILED,
+    }
 
     def __init__(self, transfer_id: int, seq16: int, slot: int, total: int, chunk_bytes: int, window: int,
                  now: float, slot_payload_bytes: int, first_chunk_bytes: int = 0, header_after_all: bool = False,
@@ -88,6 +101,8 @@ class FedRdmaESender(SenderBase):
         self._order = list(range(len(self.chunks) - 1, -1, -1))  # back to front; chunk 0 last
         #: set while the checksum that the header carries is still being computed
         self.hold_header = False
+        self._confirmed = False  # the receiver's DONE arrived before our last WRITE completed
+        self._placed_at: Optional[float] = None
 
     def next_chunks(self) -> List[Chunk]:
         out = []
@@ -105,9 +120,42 @@ class FedRdmaESender(SenderBase):
                       self.total, crc or 0, meta_crc, crc is not None)
 
     def on_write_complete(self, seq: int, now: float) -> bool:
+        """A WRITE of chunk `seq` completed (placed at the peer); False for one that no longer counts."""
         if self.state is not SendState.SENDING:
             return False
         return self._chunk_done(seq, now)
+
+    def _all_chunks_done(self) -> None:
+        self._move(SendEvent.PLACED)
+        self._placed_at = self._deadlines.last_progress
+        if self._confirmed:
+            self._move(SendEvent.CONFIRM)
+
+    def on_confirm(self) -> bool:
+        """The receiver's DONE: it verified and delivered the transfer. True if that made it DONE;
+        False if it arrived before the last WRITE's completion (it then completes on PLACED)."""
+        if self.state in TERMINAL:
+            return False
+        if self.state is SendState.SENDING and (0 not in self._in_flight and 0 not in self._done):
+            raise RemoteProtocolError(f"transfer {self.transfer_id}: DONE before its header was written")
+        self._move(SendEvent.CONFIRM)
+        if self.state is SendState.SENDING:
+            self._confirmed = True
+            return False
+        return True
+
+    def tick(self, now: float) -> None:
+        if self.state is SendState.PLACED and self._placed_at is not None \
+                and now - self._placed_at > self._deadlines.no_progress_s:
+            exc = TransferTimeout(f"transfer {self.transfer_id}: placed, but the receiver did not confirm it within "
+                                  f"{self._deadlines.no_progress_s:g} s", self.transfer_id)
+            self.fail(exc)
+            raise exc
+        super().tick(now)
+
+    @property
+    def placed(self) -> bool:
+        return self.state is SendState.PLACED
 
     @property
     def header_posted(self) -> bool:

@@ -1,6 +1,6 @@
 """Wire frames. Every frame starts with magic 0xFD4A and a version byte, so garbage fails fast.
 
-HEADER `!HBBHHQIIQIIQII` (64 bytes): precedes every FedRDMA chunk, and sits at offset 0 of a
+HEADER `!HBBHHQIIQIIQIIII` (64 bytes): precedes every FedRDMA chunk, and sits at offset 0 of a
 FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WITH_IMM).
 
     magic        u16  0xFD4A
@@ -20,11 +20,17 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
     reserved2    u32  0
     reserved3    u32  0 (keeps the header 64 bytes)
 
-CTRL `!HBBHHQQQ` (32 bytes), then for ERROR up to `MAX_REASON` bytes of UTF-8: control messages
-that travel as SENDs on the first QP of a connection.
+CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL; at most
+`MAX_REASON`): control messages that travel as SENDs on the first QP of a connection.
 
-    magic u16, version u8, kind u8 (CtrlKind), flags u16, reserved u16,
-    transfer_id u64, value u64 (ACK: seq; CREDIT: slot; ERROR: code; PROBE: nonce), aux u64
+    magic        u16  0xFD4A
+    version      u8   1
+    kind         u8   CtrlKind
+    flags        u16  0
+    reason_len   u16  bytes of reason text after the frame
+    transfer_id  u64
+    value        u64  ACK: chunk seq; CREDIT: slot; ERROR: ErrorCode; PROBE/PROBE_REPLY: nonce
+    aux          u64  ACK: the staging buffer the chunk used (its credit goes back); else 0
 """
 from __future__ import annotations
 
@@ -61,11 +67,12 @@ class CtrlKind(enum.IntEnum):
 
 
 class ErrorCode(enum.IntEnum):
-    INTEGRITY = 1
-    TOO_LARGE = 2
-    PROTOCOL = 3
-    TIMEOUT = 4
-    INTERNAL = 5
+    """Why a receiver refused a transfer (CTRL ERROR); an unknown code reads as a plain TransferError."""
+
+    INTEGRITY = 1  # a checksum did not match
+    TOO_LARGE = 2  # the payload exceeds what this receiver accepts
+    PROTOCOL = 3  # the sender's frames were malformed or inconsistent
+    TIMEOUT = 4  # the receiver dropped the transfer: no progress within its deadline
 
 
 @dataclasses.dataclass(frozen=True)

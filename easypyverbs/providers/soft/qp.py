@@ -226,7 +226,8 @@ class SoftQP(QP):
             self._outstanding -= 1
             self._cv.notify_all()
         if status != WCStatus.SUCCESS or wr.signaled:
-            self.send_cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, self.qpn))  # type: ignore[attr-defined]
+            why = "" if status == WCStatus.SUCCESS else f"the peer answered {status.name}"
+            self.send_cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, self.qpn, reason=why))  # type: ignore[attr-defined]
         if status != WCStatus.SUCCESS:
             self._enter_error(WCStatus.WR_FLUSH_ERR, f"wr {wr.wr_id} failed with {status.name}")
 
@@ -254,9 +255,9 @@ class SoftQP(QP):
             (log.info if why.startswith("peer disconnected") else log.warning)("soft QP %d -> ERR: %s", self.qpn, why)
         for i, wr in enumerate(victims):
             st = first_status if i == 0 else WCStatus.WR_FLUSH_ERR
-            self.send_cq.push(WC(wr.wr_id, st, OPCODE_OF[wr.op], 0, None, self.qpn))  # type: ignore[attr-defined]
+            self.send_cq.push(WC(wr.wr_id, st, OPCODE_OF[wr.op], 0, None, self.qpn, reason=why))  # type: ignore[attr-defined]
         for wr_id, _ in recvs:
-            self.recv_cq.push(WC(wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, None, self.qpn))  # type: ignore[attr-defined]
+            self.recv_cq.push(WC(wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, None, self.qpn, reason=why))  # type: ignore[attr-defined]
         self._shutdown_sockets()
 
     def _shutdown_sockets(self) -> None:

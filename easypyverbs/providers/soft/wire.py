@@ -49,10 +49,6 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
 
-def is_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, (socket.timeout, BlockingIOError))
-
-
 class PeerClosed(ConnectionError):
     """The other end closed the connection."""
 

@@ -1,0 +1,136 @@
+"""FedRDMA-E over a connection: chunks written straight into a receive slot of the peer, one header.
+
+Sending: chunks n-1 .. 1 to their final offsets in the slot the SlotRing gives us, then chunk 0 and
+[HEADER|meta] as WRITE_WITH_IMM(imm = slot << 16 | seq) on QP 0. The header carries the whole
+payload's checksum, computed on a worker while the first chunks are on the wire. When every WRITE
+has completed the transfer is PLACED; the receiver's DONE (sent after its own checksum) makes it
+DONE, an ERROR fails it.
+Receiving: the WRITE_WITH_IMM says a slot is complete: verify, answer DONE, hand out a view of the
+slot; releasing it sends the slot's CREDIT back.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Dict, Optional
+
+import crc32c
+
+from .. import protocol as P
+from ..errors import IntegrityError
+from ..protocol.frames import CtrlKind, ErrorCode
+from .checksum import payload_checksum, payload_checksum_async
+from .handshake import PoolOffer
+
+if TYPE_CHECKING:
+    from .connection import Connection, Outgoing
+
+
+class SlotSender:
+    """Posts FedRDMA-E transfers into the peer's receive slots and follows them to the peer's verdict."""
+
+    def __init__(self, conn: "Connection", offer: PoolOffer) -> None:
+        self.conn, self.offer = conn, offer
+        self.ring = P.SlotRing(offer.slots)
+        #: PLACED transfers, waiting for the receiver's DONE, by transfer id
+        self.placed: Dict[int, "Outgoing"] = {}
+
+    def machine(self, o: "Outgoing", window: int, common: Dict[str, float]) -> Optional[P.FedRdmaESender]:
+        """A machine for `o` in the next free slot, or None while no slot is free (wait for CREDIT)."""
+        slot = self.ring.acquire()
+        if slot is None:
+            return None
+        o.slot = slot
+        return P.FedRdmaESender(o.fut.transfer_id, o.fut.transfer_id & 0xFFFF, slot, o.payload.total,
+                                self.conn.cfg.chunk_bytes, window, slot_payload_bytes=self.offer.slot_payload_bytes,
+                                header_after_all=len(self.conn.rcs) > 1, **common)
+
+    def pump(self, o: "Outgoing") -> None:
+        m = o.machine
+        if o.checksums and o.crc_future is None:  # fell back to this mode late: start the checksum now
+            o.crc_future = payload_checksum_async(o.payload.views())
+            o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
+        m.hold_header = o.checksums and not o.crc_future.done()
+        for c in m.next_chunks():
+            self._post(o, c)
+
+    def _post(self, o: "Outgoing", c: P.Chunk) -> None:
+        conn = self.conn
+        qp = conn.next_qp() if c.seq else conn.rcs[0].qp
+        pool = conn.remote["pool"]
+        data_off = self.offer.payload_offset(o.slot, c.offset)  # type: ignore[arg-type]
+        if c.seq != 0:
+            conn.post_data(qp, o, c, pool, data_off, True, c.seq)
+            return
+        conn.post_data(qp, o, c, pool, data_off, False, 0)
+        crc = o.crc_future.result() if o.checksums else None
+        conn.post_header(qp, o, o.machine.header(len(o.meta), crc, o.meta_crc), 0, pool,
+                         self.offer.slot_base(o.slot), o.machine.imm)  # type: ignore[arg-type]
+
+    def on_write_complete(self, o: "Outgoing", seq: int) -> None:
+        m: P.FedRdmaESender = o.machine
+        m.on_write_complete(seq, time.monotonic())
+        o.fut._progress(m.done_bytes)
+        if m.state is P.fedrdma.SendState.DONE:  # the receiver's DONE overtook this completion
+            self.conn.finish_out(o)
+        elif m.placed:
+            self.conn.unset_active(o)
+            self.placed[o.fut.transfer_id] = o
+
+    def on_done(self, tid: int, active: Optional["Outgoing"]) -> None:
+        o = self.placed.pop(tid, None)
+        if o is not None:
+            if o.machine.on_confirm():
+                self.conn.finish_out(o)
+        elif active is not None and active.fut.transfer_id == tid and active.machine is not None \
+                and isinstance(active.machine, P.FedRdmaESender) and active.error is None:
+            active.machine.on_confirm()  # noted; completes when its last WRITE does
+
+    def on_credit(self, slot: int) -> None:
+        self.ring.credit(slot)
+
+    def forget(self, o: "Outgoing") -> None:
+        """`o` failed: stop waiting for its verdict, and take its slot back if the peer never saw it."""
+        self.placed.pop(o.fut.transfer_id, None)
+
+    def give_back_unused(self, o: "Outgoing") -> None:
+        if o.slot is not None and not o.machine.header_posted:
+            self.ring.give_back(o.slot)
+
+    def tick(self, now: float) -> None:
+        for tid, o in list(self.placed.items()):
+            try:
+                o.machine.tick(now)
+            except Exception as exc:  # placed, but no verdict in time
+                self.conn.fail_out(o, exc, tell_peer=False)
+
+
+class SlotReceiver:
+    """Validates and delivers transfers that arrive complete in this side's receive slots."""
+
+    def __init__(self, conn: "Connection", offer: PoolOffer) -> None:
+        self.conn = conn
+        self.machine = P.FedRdmaEReceiver(offer.slots, offer.slot_payload_bytes, offer.meta_cap,
+                                          conn.cfg.checksum == "crc32c")
+
+    def on_write_imm(self, imm: int) -> None:
+        conn = self.conn
+        slot, _ = P.fedrdma_e.split_imm(imm)
+        # a slot out of range is refused by the machine before it reads the (empty) view
+        view = conn.mem.slot_view(slot) if slot < self.machine.nslots else memoryview(b"")
+        msg = self.machine.on_write_imm(imm, view)
+        h = msg.header
+        meta = view[msg.meta_offset:msg.meta_offset + h.meta_len]
+        payload = view[msg.payload_offset:msg.payload_offset + h.total]
+        try:
+            if h.has_crc:
+                self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum([payload]))
+        except IntegrityError as exc:
+            conn.refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
+            conn.send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot))
+            return
+        conn.send_ctrl(P.Ctrl(CtrlKind.DONE, h.transfer_id))
+        conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot))
+
+    def release(self, slot: int) -> None:
+        self.machine.release(slot)
+        self.conn.send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot))

@@ -1,0 +1,146 @@
+"""The connection handshake: who the peer is and what receive memory it offers, before any QP exists.
+
+Both sides send a hello over the bootstrap connection (JSON, easypyverbs' framing) and read the
+peer's; the QPs are then established over the same connection (easypyverbs.establish), and a last
+exchange says that both sides have posted their receives. Every field of the peer's hello is checked
+here, and a malformed one is a RemoteProtocolError naming the field. This is where peer
+authentication belongs.
+
+Hello (version 1):
+    fate_rdma  int   protocol version, 1
+    name       str   the endpoint's name (its FATE party address), 1-256 characters
+    qps        int   queue pairs it wants per connection, 1..MAX_QPS (the smaller offer wins)
+    pool       null or {"slots", "slot_payload_bytes", "meta_cap"}: its FedRDMA-E receive slots
+    staging    null or {"count", "buf_bytes", "meta_cap"}: its FedRDMA staging buffers
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Optional
+
+import easypyverbs as ev
+
+from ..errors import RemoteProtocolError
+from ..protocol.frames import HEADER, MAX_META
+
+VERSION = 1
+MAX_QPS = 64
+MAX_NAME = 256
+MAX_SLOTS = 1024
+MAX_STAGING = 1024
+#: a slot holds at most one payload; 1 TiB is far above any model and far below overflow
+MAX_SLOT_PAYLOAD_BYTES = 1 << 40
+#: a staging buffer holds one chunk and its header; chunk_bytes is capped at 1 GiB
+MAX_STAGING_BUF_BYTES = (1 << 30) + HEADER.size + MAX_META
+
+
+def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RemoteProtocolError(f"hello from {where}: field {key!r} must be an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise RemoteProtocolError(f"hello from {where}: field {key!r} = {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _section(obj: Mapping[str, Any], key: str, where: str) -> Optional[Mapping[str, Any]]:
+    v = obj.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise RemoteProtocolError(f"hello from {where}: field {key!r} must be an object or null")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolOffer:
+    """The peer's FedRDMA-E receive pool: `slots` slots of [HEADER][meta_cap][slot_payload_bytes]."""
+
+    slots: int
+    slot_payload_bytes: int
+    meta_cap: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return HEADER.size + self.meta_cap + self.slot_payload_bytes
+
+    def slot_base(self, slot: int) -> int:
+        """Offset of slot `slot` in the pool MR (its header)."""
+        return slot * self.slot_bytes
+
+    def payload_offset(self, slot: int, offset: int) -> int:
+        """Offset in the pool MR of payload byte `offset` of slot `slot`."""
+        return self.slot_base(slot) + HEADER.size + self.meta_cap + offset
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any], where: str) -> "PoolOffer":
+        return cls(_int(obj, "slots", 1, MAX_SLOTS, where),
+                   _int(obj, "slot_payload_bytes", 1, MAX_SLOT_PAYLOAD_BYTES, where),
+                   _int(obj, "meta_cap", 0, MAX_META, where))
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingOffer:
+    """The peer's FedRDMA staging buffers: `count` buffers of [HEADER][meta_cap][chunk]."""
+
+    count: int
+    buf_bytes: int
+    meta_cap: int
+
+    def base(self, index: int) -> int:
+        return index * self.buf_bytes
+
+    def data_offset(self, index: int) -> int:
+        return self.base(index) + HEADER.size + self.meta_cap
+
+    @property
+    def chunk_capacity(self) -> int:
+        return self.buf_bytes - HEADER.size - self.meta_cap
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any], where: str) -> "StagingOffer":
+        meta_cap = _int(obj, "meta_cap", 0, MAX_META, where)
+        buf = _int(obj, "buf_bytes", HEADER.size + meta_cap + 1, MAX_STAGING_BUF_BYTES, where)
+        return cls(_int(obj, "count", 1, MAX_STAGING, where), buf, meta_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    name: str
+    qps: int
+    pool: Optional[PoolOffer] = None
+    staging: Optional[StagingOffer] = None
+    version: int = VERSION
+
+    def to_wire(self) -> Dict[str, Any]:
+        return {"fate_rdma": self.version, "name": self.name, "qps": self.qps,
+                "pool": dataclasses.asdict(self.pool) if self.pool else None,
+                "staging": dataclasses.asdict(self.staging) if self.staging else None}
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str) -> "Hello":
+        """The peer's hello, every field checked; RemoteProtocolError names the first bad one."""
+        if not isinstance(obj, dict):
+            raise RemoteProtocolError(f"hello from {where} is not an object")
+        version = obj.get("fate_rdma")
+        if version != VERSION or isinstance(version, bool):
+            raise RemoteProtocolError(f"peer at {where} is not a fate-rdma endpoint of this version "
+                                      f"(hello field 'fate_rdma' = {version!r}, expected {VERSION})")
+        name = obj.get("name")
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
+            raise RemoteProtocolError(f"hello from {where}: field 'name' must be a string of 1-{MAX_NAME} characters")
+        pool = _section(obj, "pool", where)
+        staging = _section(obj, "staging", where)
+        return cls(name, _int(obj, "qps", 1, MAX_QPS, where),
+                   PoolOffer.from_wire(pool, where) if pool is not None else None,
+                   StagingOffer.from_wire(staging, where) if staging is not None else None)
+
+
+def exchange_hello(boot: ev.BootstrapConn, mine: Hello, timeout_s: float) -> Hello:
+    """Send our hello, read and validate the peer's."""
+    return Hello.from_wire(boot.exchange(mine.to_wire(), timeout_s), str(boot.peer))
+
+
+def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:
+    """Both sides have posted their receives: from now on neither side's first SEND can find none."""
+    reply = boot.exchange({"posted": True}, timeout_s)
+    if not isinstance(reply, dict) or reply.get("posted") is not True:
+        raise RemoteProtocolError(f"peer at {boot.peer} did not finish connection set-up")

@@ -1,0 +1,103 @@
+"""The registered memory of one connection, and where each thing sits in it.
+
+    pool      FedRDMA-E receive slots (remote write), each [HEADER][metadata cap][payload]
+    staging   FedRDMA staging buffers (remote write), each [HEADER][metadata cap][chunk]
+    recv      the receive ring: small buffers for control SENDs (and the WRITE_WITH_IMM notices)
+    ctrl      outgoing control frames, one buffer per SEND in flight
+    hdr       outgoing headers (+ metadata), one buffer per header WRITE in flight
+
+The remote layouts (the peer's pool and staging buffers) are described by its hello: see
+handshake.PoolOffer and handshake.StagingOffer, which this module mirrors for the local side.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+import easypyverbs as ev
+
+from ..protocol.frames import CTRL, HEADER, MAX_META
+from .handshake import PoolOffer, StagingOffer
+
+#: a control frame (CTRL + reason) fits with room to spare
+CTRL_BUF = CTRL.size + 1024 + 64
+#: per QP: control frames + WRITE_WITH_IMM notifications that may arrive before the engine reposts
+RECV_DEPTH = 256
+#: control SENDs in flight before further ones wait in a backlog
+CTRL_SENDS = 256
+#: a header with the largest metadata
+HDR_SLOT = HEADER.size + MAX_META
+
+
+class LocalMemory:
+    """Registers what this side of a connection needs, and hands out views and SGEs into it."""
+
+    def __init__(self, pd: ev.PD, nqps: int, max_window: int, pool: Optional[PoolOffer],
+                 staging: Optional[StagingOffer]) -> None:
+        self.mrs: List[ev.MR] = []
+        self.remote_mrs: Dict[str, ev.MR] = {}
+        self.pool, self.staging = pool, staging
+        rw = ev.Access.all_rdma()
+        try:
+            self.pool_bytes = pool.slots * pool.slot_bytes if pool is not None else 0
+            if pool is not None:
+                self.pool_buf, self.remote_mrs["pool"] = self._register(pd, self.pool_bytes, rw)
+                self.pool_buf.fill(0)  # fault the pool in now, as pinning by ibv_reg_mr would, not during a transfer
+            if staging is not None:
+                self.staging_buf, self.remote_mrs["staging"] = self._register(pd, staging.count * staging.buf_bytes, rw)
+            self.nqps = nqps
+            self.recv_buf, self.recv_mr = self._register(pd, nqps * RECV_DEPTH * CTRL_BUF, ev.Access.LOCAL_WRITE)
+            self.ctrl_buf, self.ctrl_mr = self._register(pd, CTRL_SENDS * CTRL_BUF, ev.Access.LOCAL_WRITE)
+            nhdr = max_window * 2 + 4
+            self.hdr_buf, self.hdr_mr = self._register(pd, nhdr * HDR_SLOT, ev.Access.LOCAL_WRITE)
+        except BaseException:
+            self.close()
+            raise
+        self.hdr_free = list(range(nhdr - 1, -1, -1))
+        self.ctrl_free = list(range(CTRL_SENDS - 1, -1, -1))
+
+    def _register(self, pd: ev.PD, nbytes: int, access: ev.Access) -> Tuple[np.ndarray, ev.MR]:
+        buf = np.empty(max(nbytes, 1), dtype=np.uint8)  # untouched pages cost no memory until written
+        mr = pd.reg_mr(buf, access)
+        self.mrs.append(mr)
+        return buf, mr
+
+    # -- receive ring ---------------------------------------------------------------------------
+    def recv_sge(self, qp_idx: int, k: int) -> ev.SGE:
+        return self.recv_mr.sge((qp_idx * RECV_DEPTH + k) * CTRL_BUF, CTRL_BUF)
+
+    def received(self, qp_idx: int, k: int, nbytes: int) -> bytes:
+        off = (qp_idx * RECV_DEPTH + k) * CTRL_BUF
+        return bytes(self.recv_buf[off:off + min(nbytes, CTRL_BUF)])
+
+    # -- outgoing control frames and headers ----------------------------------------------------
+    def put_ctrl(self, idx: int, raw: bytes) -> ev.SGE:
+        off = idx * CTRL_BUF
+        self.ctrl_buf[off:off + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        return self.ctrl_mr.sge(off, len(raw))
+
+    def put_header(self, raw_header: bytes, meta: bytes) -> Tuple[int, ev.SGE]:
+        """Copy a header and its metadata into a free header buffer: (its index, the SGE to WRITE)."""
+        idx = self.hdr_free.pop()
+        base = idx * HDR_SLOT
+        self.hdr_buf[base:base + len(raw_header)] = np.frombuffer(raw_header, dtype=np.uint8)
+        if meta:
+            self.hdr_buf[base + len(raw_header):base + len(raw_header) + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+        return idx, self.hdr_mr.sge(base, len(raw_header) + len(meta))
+
+    # -- receive areas --------------------------------------------------------------------------
+    def slot_view(self, slot: int) -> memoryview:
+        assert self.pool is not None
+        base = self.pool.slot_base(slot)
+        return memoryview(self.pool_buf)[base:base + self.pool.slot_bytes]
+
+    def staging_view(self, index: int) -> memoryview:
+        assert self.staging is not None
+        base = self.staging.base(index)
+        return memoryview(self.staging_buf)[base:base + self.staging.buf_bytes]
+
+    def close(self) -> None:
+        for mr in self.mrs:
+            mr.close()
+        self.mrs = []

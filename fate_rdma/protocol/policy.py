@@ -1,0 +1,89 @@
+"""Decisions the protocol makes before and during a transfer, kept here so in-memory tests reach them:
+which mode carries a payload, how many chunks may be in flight, how small the Link-Enable chunk is,
+and the sender's credit for the peer's FedRDMA staging buffers.
+"""
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Set
+
+from ..errors import ConfigError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
+
+#: assumed when neither the configuration nor a link model gives the rate: a nominal 10 Gbit/s WAN
+NOMINAL_RATE_BPS = 10e9
+#: Link-Enable pays off from about 4 Gbit/s up (paper §4.3: no gain measured below)
+LINK_ENABLE_FROM_BPS = 4e9
+#: the Link-Enable chunk: one page, cheap enough to bring the path up before the bulk follows
+LINK_ENABLE_BYTES = 4096
+
+
+class Mode(str, enum.Enum):
+    FEDRDMA = "fedrdma"
+    FEDRDMA_E = "fedrdma-e"
+
+
+def choose_mode(configured: str, total: int, peer_slot_payload_bytes: Optional[int], peer_staging: bool,
+                too_large: str, transfer_id: int = 0, peer: str = "the peer") -> Mode:
+    """The mode that carries a `total`-byte payload to this peer.
+
+    FedRDMA-E needs the payload to fit the peer's receive slot; one that does not either falls back
+    to FedRDMA (`too_large: fedrdma`, when the peer offers staging buffers) or is refused with
+    PayloadTooLarge. FedRDMA needs the peer's staging buffers (else ConfigError).
+    """
+    mode = Mode(configured)
+    if mode is Mode.FEDRDMA_E and (peer_slot_payload_bytes is None or total > peer_slot_payload_bytes):
+        if too_large == "fedrdma" and peer_staging:
+            mode = Mode.FEDRDMA
+        else:
+            raise PayloadTooLarge(f"payload of {total} bytes exceeds {peer}'s FedRDMA-E receive slot of "
+                                  f"{peer_slot_payload_bytes or 0} bytes (raise slot_bytes, or set too_large: fedrdma)",
+                                  transfer_id)
+    if mode is Mode.FEDRDMA and not peer_staging:
+        raise ConfigError(f"{peer} offers no FedRDMA staging buffers (its mode is fedrdma-e, this side's fedrdma): "
+                          "configure both sides with the same mode, or the receiver with too_large: fedrdma")
+    return mode
+
+
+def auto_window(rate_bps: float, rtt_s: float, chunk_bytes: int, min_window: int, max_window: int) -> int:
+    """Chunks in flight that fill the bandwidth-delay product, plus one to cover the gap between a
+    completion and the next post; clamped to [min_window, max_window]."""
+    if chunk_bytes < 1 or not 1 <= min_window <= max_window:
+        raise LocalProtocolError(f"bad window bounds: chunk {chunk_bytes}, min {min_window}, max {max_window}")
+    bdp_bytes = max(rate_bps, 0.0) / 8 * max(rtt_s, 0.0)
+    return max(min_window, min(max_window, int(-(-bdp_bytes // chunk_bytes)) + 1))
+
+
+def first_chunk_bytes(link_enable: object, rate_bps: float) -> int:
+    """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto"."""
+    on = rate_bps >= LINK_ENABLE_FROM_BPS if link_enable == "auto" else bool(link_enable)
+    return LINK_ENABLE_BYTES if on else 0
+
+
+class StagingCredits:
+    """The sender's credit for the peer's FedRDMA staging buffers: one buffer per chunk in flight,
+    handed back by the ACK that names it. An ACK for a buffer we do not hold is the peer's fault."""
+
+    def __init__(self, count: int) -> None:
+        if count < 0:
+            raise LocalProtocolError(f"negative staging buffer count {count}")
+        self.count = count
+        self._free: List[int] = list(range(count - 1, -1, -1))
+        self._lent: Set[int] = set()
+
+    def take(self) -> int:
+        if not self._free:
+            raise LocalProtocolError("no staging buffer free: the window exceeds the peer's staging buffers")
+        i = self._free.pop()
+        self._lent.add(i)
+        return i
+
+    def give_back(self, index: int) -> None:
+        if index not in self._lent:
+            raise RemoteProtocolError(f"ACK returns staging buffer {index}, which is not in use "
+                                      f"(the peer has {self.count})")
+        self._lent.discard(index)
+        self._free.append(index)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)

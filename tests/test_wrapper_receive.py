@@ -1,0 +1,52 @@
+"""The federation wrapper's receive loop: if it fails, every waiting get fails at once with the cause."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fate_rdma import errors as E
+from fate_rdma.federation.wrapper import RdmaFederation, _Store
+
+
+class BrokenEndpoint:
+    """An endpoint whose receive fails after a short while, as a broken channel would."""
+
+    def __init__(self, after_s: float) -> None:
+        self.fail_at = time.monotonic() + after_s
+
+    def recv(self, timeout=None):
+        time.sleep(min(timeout or 0.05, 0.05))
+        if time.monotonic() >= self.fail_at:
+            raise MemoryError("cannot allocate the reassembly buffer")
+        raise E.TransferTimeout("nothing yet")
+
+
+def loop_over(endpoint) -> RdmaFederation:
+    """Only what the receive loop uses; the rest of the wrapper needs FATE (test_federation.py)."""
+    fed = object.__new__(RdmaFederation)
+    fed.endpoint, fed._store, fed._stop, fed.local = endpoint, _Store(), False, ("arbiter", "10000")
+    return fed
+
+
+def test_failed_receive_loop_fails_waiting_gets_with_the_cause(caplog):
+    fed = loop_over(BrokenEndpoint(after_s=0.3))
+    rx = threading.Thread(target=fed._receive, daemon=True)
+    rx.start()
+    t0 = time.monotonic()
+    with pytest.raises(E.PeerUnreachable, match="receive loop failed.*reassembly buffer"):
+        fed._store.take("payload-1", timeout_s=60)
+    assert time.monotonic() - t0 < 5, "the get waited for its timeout instead of failing at once"
+    rx.join(5)
+    assert not rx.is_alive()
+    with pytest.raises(E.PeerUnreachable, match="receive loop failed"):  # later gets too
+        fed._store.take("payload-2", timeout_s=60)
+    assert [r for r in caplog.records if "receive loop" in r.getMessage() and r.levelname == "ERROR"]
+
+
+def test_payloads_that_arrived_before_the_failure_are_still_delivered():
+    store = _Store()
+    store.put("early", b"x")
+    store.fail(RuntimeError("boom"))
+    assert store.take("early", 1) == b"x"
