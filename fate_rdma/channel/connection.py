@@ -12,14 +12,11 @@ All protocol state is touched by the engine thread only; user threads post reque
 from __future__ import annotations
 
 import collections
-import enum
 import json
 import logging
 import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
-
-import crc32c
 
 import easypyverbs as ev
 
@@ -30,10 +27,12 @@ from ..errors import (ConfigError, FateRdmaError, IntegrityError, PayloadTooLarg
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
 from ..protocol.policy import Mode, auto_window, choose_mode, first_chunk_bytes, NOMINAL_RATE_BPS
 from .checksum import payload_checksum_async
+from .control import ControlSender, RttProbe
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .handshake import Hello, PoolOffer, StagingOffer, confirm_posted, exchange_hello
 from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
+from .outgoing import Outgoing, Request, Wr
 from .transfer import Message, Payload, TransferFuture, group_sges
 
 log = logging.getLogger("fate_rdma.channel")
@@ -42,38 +41,6 @@ log = logging.getLogger("fate_rdma.channel")
 _ERR = {ErrorCode.INTEGRITY: IntegrityError, ErrorCode.TOO_LARGE: PayloadTooLarge, ErrorCode.PROTOCOL: RemoteProtocolError,
         ErrorCode.TIMEOUT: TransferTimeout}
 RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up from 1
-
-
-class Request(enum.Enum):
-    SEND = "send"
-    CANCEL = "cancel"
-    RELEASE = "release"
-    STOP = "stop"
-
-
-class Wr(enum.Enum):
-    """What a signalled send WR was, so its completion goes to the right place."""
-
-    CTRL = "ctrl"  # a control frame: frees its ctrl buffer
-    DATA = "data"  # the last WRITE of a chunk's data (FedRDMA-E)
-    HEADER = "header"  # a header WRITE_WITH_IMM: frees its header buffer
-
-
-class Outgoing:
-    """An outgoing transfer as the engine sees it."""
-
-    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, checksums: bool) -> None:
-        self.fut, self.payload, self.meta = fut, payload, meta
-        self.checksums = checksums
-        self.meta_crc = crc32c.crc32c(meta) if checksums else 0
-        #: FedRDMA-E whole-payload checksum, computed while the first chunks are on the wire
-        self.crc_future: Any = None
-        self.mode: Optional[Mode] = None
-        self.machine: Any = None
-        self.slot: Optional[int] = None
-        self.pending_wrs = 0
-        self.error: Optional[BaseException] = None
-        self.started = 0.0
 
 
 class Connection:
@@ -99,10 +66,8 @@ class Connection:
         self._next_tid = 1
         self._stop = False
         self.dead: Optional[BaseException] = None
-        self.rtt_s: Optional[float] = None
-        self._probe: Dict[int, float] = {}
-        self._rtts: List[float] = []
-        self._ctrl_backlog: Deque[bytes] = collections.deque()
+        self.control = ControlSender(self.mem, lambda: self.rcs[0].qp, lambda idx: self._wr_id(Wr.CTRL, None, 0, idx))  # type: ignore[arg-type]
+        self.probe = RttProbe(self.control.send)
         self._thread = threading.Thread(target=self._run, name=f"fate-rdma-conn-{self.peer}", daemon=True)
         self._thread.start()
 
@@ -138,6 +103,11 @@ class Connection:
         self.staged_receiver = StagedReceiver(self) if staging else None
         self.label = ctx.label
         self.emulated = ctx.emulated
+
+    @property
+    def rtt_s(self) -> Optional[float]:
+        """The connection's round-trip time, once the probe has measured it."""
+        return self.probe.rtt_s
 
     def _post_recv(self, qp_idx: int, k: int) -> None:
         self.rcs[qp_idx].qp.post_recv(self.mem.recv_sge(qp_idx, k), wr_id=RECV_TAG | (qp_idx << 20) | k)  # type: ignore[union-attr]
@@ -184,7 +154,7 @@ class Connection:
     def _run(self) -> None:
         last_tick = time.monotonic()
         try:
-            self._send_probe()
+            self.probe.start(time.monotonic())
             while not self._stop:
                 self._handle_requests()
                 self._pump()
@@ -235,7 +205,7 @@ class Connection:
         cfg = self.cfg
         if isinstance(cfg.window, int):
             return cfg.window
-        return auto_window(self._rate_bps(), self.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window, cfg.max_window)
+        return auto_window(self._rate_bps(), self.probe.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window, cfg.max_window)
 
     def _start(self, o: Outgoing) -> bool:
         """Make `o` the active transfer; False if it must wait (no free slot yet)."""
@@ -261,7 +231,7 @@ class Connection:
         return True
 
     def _pump(self) -> None:
-        if self.rtt_s is None:
+        if self.probe.rtt_s is None:
             return
         while self._active is None and self._outq:
             if not self._start(self._outq[0]):
@@ -315,8 +285,7 @@ class Connection:
             return
         kind, o, seq, extra = entry
         if kind is Wr.CTRL:
-            self.mem.ctrl_free.append(extra)  # type: ignore[union-attr]
-            self._flush_ctrl_backlog()
+            self.control.on_complete(extra)
             return
         if kind is Wr.HEADER:
             self.mem.hdr_free.append(extra)  # type: ignore[union-attr]
@@ -415,24 +384,8 @@ class Connection:
         elif c.kind is CtrlKind.PROBE:
             self.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
         elif c.kind is CtrlKind.PROBE_REPLY:
-            self._on_probe_reply(int(c.value))
-
-    # -- RTT probe (the auto window needs the round-trip time) -----------------------------------
-    def _send_probe(self) -> None:
-        nonce = len(self._rtts) + 1
-        self._probe[nonce] = time.monotonic()
-        self.send_ctrl(P.Ctrl(CtrlKind.PROBE, 0, nonce))
-
-    def _on_probe_reply(self, nonce: int) -> None:
-        sent = self._probe.pop(nonce, None)
-        if sent is None:
-            return
-        self._rtts.append(time.monotonic() - sent)
-        if len(self._rtts) < 3:
-            self._send_probe()
-        else:
-            self.rtt_s = min(self._rtts)
-            log.info("connection to %s: RTT %.3f ms, window %d", self.peer, self.rtt_s * 1e3, self._window())
+            if self.probe.on_reply(int(c.value), time.monotonic()):
+                log.info("connection to %s: RTT %.3f ms, window %d", self.peer, self.probe.rtt_s * 1e3, self._window())  # type: ignore[operator]
 
     # -- receive side helpers (called by the modes) ---------------------------------------------
     def refuse(self, tid: int, code: ErrorCode, reason: str) -> None:
@@ -448,24 +401,11 @@ class Connection:
 
     # -- control sends --------------------------------------------------------------------------
     def send_ctrl(self, c: P.Ctrl) -> None:
-        raw = P.encode_ctrl(c)
-        if not self.mem.ctrl_free:  # type: ignore[union-attr]
-            self._ctrl_backlog.append(raw)
-            return
-        self._post_ctrl(raw)
-
-    def _post_ctrl(self, raw: bytes) -> None:
-        idx = self.mem.ctrl_free.pop()  # type: ignore[union-attr]
-        sge = self.mem.put_ctrl(idx, raw)  # type: ignore[union-attr]
-        self.rcs[0].qp.post_send(sge, wr_id=self._wr_id(Wr.CTRL, None, 0, idx))
-
-    def _flush_ctrl_backlog(self) -> None:
-        while self._ctrl_backlog and self.mem.ctrl_free:  # type: ignore[union-attr]
-            self._post_ctrl(self._ctrl_backlog.popleft())
+        self.control.send(c)
 
     # -- time -----------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
-        if self.rtt_s is None and self._probe and now - min(self._probe.values()) > self.cfg.connect_timeout_s:
+        if self.probe.overdue(now, self.cfg.connect_timeout_s):
             raise PeerUnreachable(f"{self.peer} did not answer the RTT probe within {self.cfg.connect_timeout_s} s")
         a = self._active
         if a is not None and a.error is None:

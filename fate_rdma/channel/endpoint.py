@@ -24,7 +24,6 @@ class Endpoint:
     def __init__(self, config: ChannelConfig = ChannelConfig(), host: str = "127.0.0.1", port: int = 0,
                  name: Optional[str] = None) -> None:
         self.config = config
-        opts: Dict[str, Any] = {}
         provider = config.provider
         self.ctx = ev.open_device(config.device, provider, link=config.soft_link if provider != "pyverbs" else None,
                                   **({"bind_host": host} if provider == "soft" else {}))

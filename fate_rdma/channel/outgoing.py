@@ -1,0 +1,42 @@
+"""What the engine keeps of a transfer it sends, and the names of its requests and work requests."""
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import crc32c
+
+from ..protocol.policy import Mode
+from .transfer import Payload, TransferFuture
+
+
+class Request(enum.Enum):
+    SEND = "send"
+    CANCEL = "cancel"
+    RELEASE = "release"
+    STOP = "stop"
+
+
+class Wr(enum.Enum):
+    """What a signalled send WR was, so its completion goes to the right place."""
+
+    CTRL = "ctrl"  # a control frame: frees its ctrl buffer
+    DATA = "data"  # the last WRITE of a chunk's data (FedRDMA-E)
+    HEADER = "header"  # a header WRITE_WITH_IMM: frees its header buffer
+
+
+class Outgoing:
+    """An outgoing transfer as the engine sees it."""
+
+    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, checksums: bool) -> None:
+        self.fut, self.payload, self.meta = fut, payload, meta
+        self.checksums = checksums
+        self.meta_crc = crc32c.crc32c(meta) if checksums else 0
+        #: FedRDMA-E whole-payload checksum, computed while the first chunks are on the wire
+        self.crc_future: Any = None
+        self.mode: Optional[Mode] = None
+        self.machine: Any = None
+        self.slot: Optional[int] = None
+        self.pending_wrs = 0
+        self.error: Optional[BaseException] = None
+        self.started = 0.0
