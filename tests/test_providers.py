@@ -58,6 +58,7 @@ def test_doctor_cli(cmd):
 
 def test_doctor_json():
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "doctor", "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
     rep = json.loads(out.stdout)
     assert rep["soft"]["emulated"] is True and rep["auto"]["provider"] in ("soft", "pyverbs")
 

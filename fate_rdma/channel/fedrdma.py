@@ -17,7 +17,7 @@ from .. import protocol as P
 from ..errors import IntegrityError, PayloadTooLarge, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import StagingCredits
-from .buffers import RecvBuffers
+from .buffers import RecvBuffers, copy_into
 from .handshake import StagingOffer
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ class StagedReceiver:
             inc = self._incoming.get(hdr.transfer_id)
             if inc is None:
                 inc = self._incoming[hdr.transfer_id] = _Reassembly(hdr.total, conn.endpoint.recv_buffers)
-            inc.view[hdr.offset:hdr.offset + hdr.length] = data  # the reassembly copy FedRDMA pays for
+            copy_into(inc.dest, hdr.offset, data)  # the reassembly copy FedRDMA pays for
             if hdr.seq == 0:
                 meta = bytes(view[P.HEADER.size:P.HEADER.size + hdr.meta_len])
                 if hdr.has_crc and crc32c.crc32c(meta) != hdr.meta_crc:

@@ -18,6 +18,7 @@ import numpy as np
 import easypyverbs as ev
 
 from ..protocol.frames import CTRL, HEADER, MAX_META
+from .buffers import prefault
 from .handshake import PoolOffer, StagingOffer
 
 #: a control frame (CTRL + reason) fits with room to spare
@@ -43,7 +44,7 @@ class LocalMemory:
             self.pool_bytes = pool.slots * pool.slot_bytes if pool is not None else 0
             if pool is not None:
                 self.pool_buf, self.remote_mrs["pool"] = self._register(pd, self.pool_bytes, rw)
-                self.pool_buf.fill(0)  # fault the pool in now, as pinning by ibv_reg_mr would, not during a transfer
+                prefault(self.pool_buf)  # now, as pinning by ibv_reg_mr would, not during a transfer
             if staging is not None:
                 self.staging_buf, self.remote_mrs["staging"] = self._register(pd, staging.count * staging.buf_bytes, rw)
             self.nqps = nqps

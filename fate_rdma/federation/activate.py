@@ -1,7 +1,8 @@
 """Switching fate-rdma on for FATE: patches FederationBuilder so every engine's federation is wrapped.
 
-Configuration comes from, in order: `install(section)` called explicitly; the `fate_rdma` section of
-the task configuration FATE parsed (fate-flow jobs; captured by the import hook); the
+Configuration comes from, in order: `install(section)` called explicitly; a `fate_rdma` section of
+the task configuration FATE parsed (captured by the import hook); for a task started by fate-flow,
+its job's `dag.conf.extra.fate_rdma` merged with the site file (see flow.py); the
 FATE_RDMA_CONF environment variable (a YAML/JSON file with a `fate_rdma` section, or inline JSON;
 the multiprocess launcher's children inherit it). With none of them, FATE is left untouched.
 """
@@ -34,6 +35,14 @@ def current_section() -> Optional[Dict[str, Any]]:
 
 def wrap(fed: Any, computing: Any) -> Any:
     """Wrap `fed` if fate-rdma is configured and enabled; else return it untouched."""
+    if getattr(fed, "fate_rdma", None) is not None:
+        return fed
+    if _explicit is None and _from_task_conf is None:
+        from . import flow
+
+        task = flow.current_task()
+        if task is not None and flow.wrap_flow_task(fed, computing, task):
+            return fed  # the fate-flow job's own section decided (on, off, or fell back)
     section = current_section()
     if not section or not section.get("enabled", True) or getattr(fed, "fate_rdma", None) is not None:
         return fed
@@ -74,6 +83,9 @@ def capture_task_conf(spec_cls: Any) -> None:
         conf = obj.get("conf") if isinstance(obj, dict) else None
         if isinstance(conf, dict) and isinstance(conf.get("fate_rdma"), dict):
             _from_task_conf = conf["fate_rdma"]
+        from . import flow  # a fate-flow task: its job's dag.conf.extra.fate_rdma is read at federation build
+
+        flow.set_task(flow.task_from_config(obj))
         return orig.__func__(cls, obj)
 
     parse_obj._fate_rdma = True  # type: ignore[attr-defined]

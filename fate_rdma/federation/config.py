@@ -88,4 +88,7 @@ def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
         conf = holder.get("conf") if isinstance(holder.get("conf"), dict) else None
         if conf and "fate_rdma" in conf:
             return conf["fate_rdma"]
+        extra = conf.get("extra") if conf and isinstance(conf.get("extra"), dict) else None
+        if extra and "fate_rdma" in extra:  # where a fate-flow job conf keeps it (see flow.py)
+            return extra["fate_rdma"]
     return None

@@ -34,7 +34,10 @@ class SoftContext(Context):
         link: Optional[LinkModel] = None,
         max_msg_bytes: int = 1 << 30,
         rnr_timeout_s: float = 2.0,
-        retry_timeout_s: float = 10.0,
+        # the emulated NIC answers from a thread of the peer's Python process, so anything that holds
+        # the peer's GIL (a large pickle, a copy into fresh memory) delays its answers; a real NIC
+        # answers from hardware. 30 s matches the channel's default no-progress deadline.
+        retry_timeout_s: float = 30.0,
     ) -> None:
         super().__init__("soft0")
         self.link_model = link or LinkModel()

@@ -1,0 +1,228 @@
+"""`fate-rdma flow setup|remove|check`: the once-per-site set-up of the fate-flow route.
+
+A FATE-Flow 2.2 job switches fate-rdma on with a `fate_rdma` mapping under `dag.conf.extra` in its job
+conf (per job: mode, chunk_bytes, window, threshold_bytes, fallback, ...). What is per site lives in
+the site file this command writes: the endpoint (host:port) of each party this site runs and of its
+peers, the provider and device. `setup` installs the start-up hook into the Python that runs
+fate-flow's tasks (run it with that Python, or name it with --python), writes and checks the site file;
+nothing is registered in fate-flow and the server needs no restart. Idempotent; --dry-run changes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+SITE_HEADER = """\
+# fate-rdma site file, written by `fate-rdma flow setup` (what is per site; edit or rerun setup).
+# The per-job part is the job conf's dag.conf.extra.fate_rdma section. Read by every fate-flow task
+# of a job that asks for fate-rdma, so a change applies to the next task, with no restart.
+#   endpoints:   role:party_id -> host:port of that party's fate-rdma endpoint (this site's and its peers')
+#   listen_host: interface the endpoints of this site bind (default: the host named in endpoints)
+#   provider:    auto (pyverbs if an RDMA device exists, else soft = verbs emulated over TCP) | soft | pyverbs
+#   device:      RDMA device name (e.g. mlx5_0), or null for the first one
+#   flow_address: host:port of this site's fate-flow API, only where tasks cannot tell (they normally can)
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = ("examples:\n"
+                "  fate-rdma flow setup --endpoint guest:9999=10.0.1.10:18600 --endpoint host:10000=10.0.2.10:18600 \\\n"
+                "                       --endpoint arbiter:10000=10.0.3.10:18600\n"
+                "  fate-rdma flow setup --dry-run ...     # say what would change, change nothing\n"
+                "  fate-rdma flow check                   # is this site ready? (hook, site file, fate-flow)\n"
+                "  fate-rdma flow remove                  # undo setup (hook and site file)\n"
+                "exit codes: 0 ok, 1 a check failed, 2 bad usage")
+    sub = p.add_subparsers(dest="flow_action", metavar="ACTION", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--site", help="site file (default: $FATE_RDMA_SITE, else <this Python's prefix>/etc/fate_rdma/site.yaml)")
+    common.add_argument("--python", help="the Python that runs fate-flow's tasks (its provider's venv), if not this one; "
+                                         "fate-rdma must be installed there; the command reruns itself with it")
+    common.add_argument("--dry-run", action="store_true", help="say what would be done, change nothing")
+    s = sub.add_parser("setup", parents=[common], help="install the hook, write and check the site file",
+                       description="Install the start-up hook into fate-flow's Python and write/check the site file.")
+    s.add_argument("--endpoint", action="append", default=[], metavar="ROLE:PARTY_ID=HOST:PORT",
+                   help="a party's fate-rdma endpoint; repeat for every party of the jobs (this site's and its peers')")
+    s.add_argument("--listen-host", help="interface this site's endpoints bind (e.g. 0.0.0.0)")
+    s.add_argument("--provider", choices=["auto", "soft", "pyverbs"], help="verbs provider (default auto)")
+    s.add_argument("--device", help="RDMA device name (pyverbs), e.g. mlx5_0")
+    s.add_argument("--flow-address", help="host:port of this site's fate-flow API (only where tasks cannot tell)")
+    r = sub.add_parser("remove", parents=[common], help="remove the hook and the site file",
+                       description="Undo `flow setup`: remove the start-up hook (also used by `fate-rdma launch`) "
+                                   "from this Python and the site file.")
+    r.add_argument("--keep-site", action="store_true", help="keep the site file")
+    c = sub.add_parser("check", parents=[common], help="check this site: hook, site file, optionally a job conf",
+                       description="Check that fate-flow tasks of this Python can switch fate-rdma on.")
+    c.add_argument("--job-conf", help="a fate-flow job conf (YAML) whose dag.conf.extra.fate_rdma to check against the site file")
+
+
+def _parse_endpoints(items: List[str]) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for item in items:
+        key, sep, addr = item.partition("=")
+        host, _, port = addr.rpartition(":")
+        if not sep or key.count(":") != 1 or not host or not port.isdigit():
+            print(f"fate-rdma flow setup: bad --endpoint {item!r}; want ROLE:PARTY_ID=HOST:PORT, "
+                  "e.g. guest:9999=10.0.1.10:18600", file=sys.stderr)
+            raise SystemExit(2)  # bad usage
+        out[key] = f"{host}:{port}"
+    return out
+
+
+def _check_site(site: Dict[str, Any], path: str) -> List[str]:
+    """Problems with a site file's content (empty list: fine)."""
+    from ..errors import ConfigError
+    from ..federation.config import RdmaFederationConfig
+
+    if not site.get("endpoints"):
+        return [f"{path}: no endpoints; give --endpoint ROLE:PARTY_ID=HOST:PORT for every party"]
+    try:
+        RdmaFederationConfig.from_section({k: v for k, v in site.items() if k != "flow_address"})
+    except (ConfigError, TypeError, ValueError) as exc:
+        return [f"{path}: {exc}"]
+    return []
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    argv = [a for a in sys.argv[1:]]
+    i = argv.index("--python") if "--python" in argv else None
+    if i is not None:
+        del argv[i:i + 2]
+    else:
+        argv = [a for a in argv if not a.startswith("--python=")]
+    return subprocess.call([args.python, "-m", "fate_rdma.cli"] + argv)
+
+
+def _flow_versions() -> Dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("fate-flow", "pyfate"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = ""
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.python and os.path.realpath(args.python) != os.path.realpath(sys.executable):
+        return _rerun(args)
+    from ..federation.flow import default_site_path, load_site
+    from ..federation.hook import PTH_LINE, pth_path
+
+    site_path = os.path.abspath(args.site) if args.site else default_site_path()
+    hook = pth_path()
+    act = "would" if args.dry_run else "will"
+    if args.flow_action == "remove":
+        for path, what in ((hook, "start-up hook"), (None if args.keep_site else site_path, "site file")):
+            if path is None:
+                continue
+            if os.path.exists(path):
+                if not args.dry_run:
+                    os.remove(path)
+                print(f"{'would remove' if args.dry_run else 'removed'} {what} {path}")
+            else:
+                print(f"no {what} at {path}")
+        return 0
+
+    endpoints = _parse_endpoints(args.endpoint) if args.flow_action == "setup" else {}  # bad usage: before any change
+    problems: List[str] = []
+    versions = _flow_versions()
+    print(f"python: {sys.executable}")
+    print(f"fate-flow {versions['fate-flow'] or 'NOT installed'}, pyfate {versions['pyfate'] or 'NOT installed'}")
+    if not versions["pyfate"]:
+        problems.append("FATE (pyfate) is not installed in this Python: fate-flow's tasks must run here "
+                        "(pass --python with the provider's venv python)")
+    if args.flow_action == "setup":
+        current = None
+        if os.path.exists(hook):
+            with open(hook) as f:
+                current = f.read()
+        if current == PTH_LINE:
+            print(f"hook: already installed at {hook}")
+        else:
+            if not args.dry_run:
+                os.makedirs(os.path.dirname(hook), exist_ok=True)
+                with open(hook, "w") as f:
+                    f.write(PTH_LINE)
+            print(f"hook: {'would install' if args.dry_run else 'installed'} {hook}")
+        site: Dict[str, Any] = load_site(site_path) if os.path.exists(site_path) else {}
+        new = dict(site)
+        if args.endpoint:
+            new["endpoints"] = {**(site.get("endpoints") or {}), **endpoints}
+        for key in ("listen_host", "provider", "device", "flow_address"):
+            val = getattr(args, key)
+            if val is not None:
+                new[key] = val
+        new.setdefault("provider", "auto")
+        problems += _check_site(new, site_path)
+        if problems and not args.dry_run:
+            for p in problems:
+                print(f"PROBLEM: {p}", file=sys.stderr)
+            print("site file not written", file=sys.stderr)
+            return 1
+        if new == site and os.path.exists(site_path):
+            print(f"site file: unchanged {site_path}")
+        else:
+            import yaml
+
+            text = SITE_HEADER + yaml.safe_dump(new, sort_keys=True)
+            if not args.dry_run:
+                os.makedirs(os.path.dirname(site_path), exist_ok=True)
+                tmp = site_path + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(text)
+                os.replace(tmp, site_path)
+            print(f"site file: {'would write' if args.dry_run else 'wrote'} {site_path}:")
+            print("  " + yaml.safe_dump(new, sort_keys=True).strip().replace("\n", "\n  "))
+        print("fate-flow: nothing to register and no restart: a job asks with dag.conf.extra.fate_rdma in its conf")
+    else:  # check
+        print(f"hook: {'installed at ' + hook if os.path.exists(hook) else 'NOT installed (run fate-rdma flow setup)'}")
+        if not os.path.exists(hook):
+            problems.append(f"the start-up hook is not installed in {sys.executable}")
+        try:
+            site = load_site(site_path)
+            problems += _check_site(site, site_path)
+            print(f"site file: {site_path}: endpoints {', '.join(f'{k}={v}' for k, v in sorted((site.get('endpoints') or {}).items()))}")
+        except Exception as exc:
+            problems.append(str(exc))
+            site = None
+        if args.job_conf:
+            problems += _check_job_conf(args.job_conf, site)
+    for p in problems:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    if not problems:
+        print(f"ok: fate-flow jobs of this site {act} switch fate-rdma on with dag.conf.extra.fate_rdma"
+              if args.flow_action == "setup" else "ok")
+    return 1 if problems else 0
+
+
+def _check_job_conf(path: str, site: Any) -> List[str]:
+    import yaml
+
+    from ..errors import ConfigError
+    from ..federation.config import RdmaFederationConfig
+    from ..federation.flow import check_job_section
+
+    with open(path) as f:
+        doc = yaml.safe_load(f) or {}
+    conf = ((doc.get("dag") or {}).get("conf") or {})
+    sec = (conf.get("extra") or {}).get("fate_rdma")
+    if sec is None:
+        return [f"{path}: no dag.conf.extra.fate_rdma section (a fate_rdma key directly under dag.conf is dropped by fate-flow)"]
+    try:
+        check_job_section(sec)
+        if site:
+            cfg = RdmaFederationConfig.from_section({**{k: v for k, v in site.items() if k != "flow_address"}, **sec})
+            parties = [f"{p['role']}:{pid}" for p in (doc.get("dag") or {}).get("parties", []) for pid in p["party_id"]]
+            missing = [p for p in parties if p not in cfg.endpoints]
+            if missing:
+                return [f"{path}: the site file has no endpoint for {', '.join(missing)}"]
+    except ConfigError as exc:
+        return [f"{path}: {exc}"]
+    print(f"job conf {path}: dag.conf.extra.fate_rdma ok")
+    return []
