@@ -5,16 +5,19 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: demo test venv rdma-core bench-verbs doctor clean
+.PHONY: demo test test-rdma venv rdma-core bench-verbs doctor clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23,<26"
 
 # one environment for the demo and the tests: the package, its dev tools, and FATE 2.2 + FATE-LLM
-# (pins in pyproject's `fate` extra); the start-up hook lets FATE's party processes see fate-rdma
+# (pins in pyproject's `fate` extra) + FATE-Flow 2.2 (its dependencies in the `flow` extra; fate-flow
+# and fate-client go in with --no-deps, see pyproject); the start-up hook lets FATE's party processes see fate-rdma
+FLOW_PKGS := fate-flow==2.2.0 fate-client==2.2.0
 $(STAMP): $(PY) pyproject.toml setup.py
-	$(PIP) install -q -e '.[dev,fate]'
+	$(PIP) install -q -e '.[dev,fate,flow]'
+	$(PIP) install -q --no-deps $(FLOW_PKGS)
 	$(VENV)/bin/fate-rdma hook install
 	touch $@
 
@@ -29,6 +32,11 @@ demo: venv
 
 test: venv rdma-core
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# the pyverbs legs on Soft-RoCE (rxe0) in one qemu VM boot (deploy/rdma-vm); prints how many ran
+# there; skipped, with the reason printed, where qemu cannot run
+test-rdma: venv rdma-core
+	$(PY) deploy/rdma-vm/test-rdma.py
 
 doctor: venv
 	$(VENV)/bin/fate-rdma doctor

@@ -43,15 +43,30 @@ class WCStatus(enum.IntEnum):
     RESP_TIMEOUT_ERR = 20
     GENERAL_ERR = 21
 
+    @classmethod
+    def _missing_(cls, value: object) -> "WCStatus":
+        return cls.GENERAL_ERR  # a status newer than this table is still an error
+
 
 class WCOpcode(enum.IntEnum):
-    """`ibv_wc_opcode`."""
+    """`ibv_wc_opcode`. libibverbs defines it only for successful completions: an error completion
+    may carry any value (`UNKNOWN` here when it is none of these)."""
 
+    UNKNOWN = -1
     SEND = 0
     RDMA_WRITE = 1
     RDMA_READ = 2
+    COMP_SWAP = 3
+    FETCH_ADD = 4
+    BIND_MW = 5
+    LOCAL_INV = 6
+    TSO = 7
     RECV = 128
     RECV_RDMA_WITH_IMM = 129
+
+    @classmethod
+    def _missing_(cls, value: object) -> "WCOpcode":
+        return cls.UNKNOWN
 
 
 class QPState(enum.IntEnum):

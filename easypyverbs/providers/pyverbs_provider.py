@@ -4,11 +4,19 @@ Works with rdma-core 44 (`pyverbs.enums`) and 57+ (`pyverbs.libibverbs_enums`). 
 the system's rdma-core (deploy/install-rdma-core.sh), never from PyPI. With no RDMA device the
 provider raises `NoDeviceError` saying so.
 
-Untested against hardware in this repository's CI (no RDMA NIC there); the conformance suite runs
-it wherever a device exists.
+Tested in CI on Soft-RoCE (rxe0) in a qemu VM (`make test-rdma`, `fate-rdma vm run`): real
+libibverbs and kernel verbs, not RDMA hardware. What rxe does differently from NICs (and from the
+soft provider) is handled here and named in tests/test_verbs_conformance.py:
+- rdma-core 44's pyverbs refuses a receive WR with no SGE, which libibverbs accepts (the normal
+  receive for WRITE_WITH_IMM): such receives are posted with one zero-length SGE over a per-PD
+  scratch MR, which NICs treat as no buffer at all (mlx5 skips zero-length scatter entries).
+- pyverbs caches `qp_state` from the last modify; after an error completion the kernel has moved
+  the QP to ERR, so the state is queried (and ERR remembered: it is sticky).
+- `max_msg_sz` is per port (rxe: 8 MiB, NICs often 1 GiB); larger messages are refused before posting.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -17,6 +25,12 @@ from typing import Any, Callable, List, Optional, Tuple
 from ..api import CQ, MR, PD, QP, SGE, Context
 from ..enums import MTU_BYTES, Access, QPState, WCOpcode, WCStatus
 from ..errors import EasyVerbsError, NoDeviceError, UsageError
+
+#: how logs, doctor and benchmark lines name Soft-RoCE (rxe): real kernel verbs over a software NIC
+SOFT_ROCE_TCG_VM = "Soft-RoCE (rxe) in a TCG VM: verbs semantics, not RDMA performance"
+SOFT_ROCE_KVM_VM = "Soft-RoCE (rxe) in a KVM VM: verbs semantics, not RDMA performance"
+SOFT_ROCE = "Soft-RoCE (rxe): kernel verbs over a software NIC, not RDMA hardware performance"
+_RXE_VENDOR_ID = 0xFFFFFF  # what rdma_rxe reports as ibv_device_attr.vendor_id
 from ..types import WC, DeviceInfo, PortInfo, QPCap, QPInfo
 
 log = logging.getLogger("easypyverbs.pyverbs")
@@ -69,14 +83,35 @@ def version() -> str:
 
 
 def _call(what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """Run a pyverbs call; its errors become EasyVerbsError with errno."""
-    from pyverbs.pyverbs_error import PyverbsError
+    """Run pyverbs code; whatever it raises leaves as an easypyverbs error (errno kept).
+
+    PyverbsUserError (pyverbs refused the arguments before any verbs call) and the TypeError /
+    ValueError / OverflowError of its Cython argument conversion become UsageError; every other
+    PyverbsError (a failed verbs call) becomes EasyVerbsError with the call's errno.
+    """
+    from pyverbs.pyverbs_error import PyverbsError, PyverbsUserError
 
     try:
         return fn(*args, **kw)
+    except PyverbsUserError as exc:
+        raise UsageError(f"{what}: pyverbs refused it: {exc}") from exc
     except PyverbsError as exc:
         code = getattr(exc, "error_code", None)
         raise EasyVerbsError(f"{what} failed: {exc}", abs(code) if isinstance(code, int) and code else None) from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(f"{what}: pyverbs rejected the arguments: {exc}") from exc
+
+
+def soft_roce_label() -> str:
+    """The label of an rxe device here: in the project's qemu VM (frvm.accel= on the kernel
+    command line, set by `fate-rdma vm run`) it names the accelerator."""
+    try:
+        with open("/proc/cmdline") as f:
+            args = f.read().split()
+    except OSError:
+        args = []
+    accel = next((a.split("=", 1)[1] for a in args if a.startswith("frvm.accel=")), "")
+    return {"tcg": SOFT_ROCE_TCG_VM, "kvm": SOFT_ROCE_KVM_VM}.get(accel, SOFT_ROCE)
 
 
 def _gid_type(dev: str, port: int, index: int) -> str:
@@ -112,8 +147,15 @@ class PyverbsContext(Context):
         self.is_roce = self._port.link_layer == self.e.IBV_LINK_LAYER_ETHERNET
         self.gid_index = self._pick_gid() if gid_index is None else gid_index
         self.gid = str(_call("query_gid", self._ctx.query_gid, port_num, self.gid_index).gid)
-        log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d", name, port_num, self.gid_index, self.gid,
-                 MTU_BYTES.get(self._port.active_mtu, 0))
+        self._attr = _call("query_device", self._ctx.query_device)
+        self.soft_roce = self._attr.vendor_id == _RXE_VENDOR_ID or name.startswith("rxe")
+        log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d, max_msg_sz %d%s", name, port_num, self.gid_index,
+                 self.gid, MTU_BYTES.get(self._port.active_mtu, 0), self._port.max_msg_sz,
+                 f" [{soft_roce_label()}]" if self.soft_roce else "")
+
+    @property
+    def label(self) -> str:
+        return soft_roce_label() if self.soft_roce else f"pyverbs ({self.name})"
 
     def _pick_gid(self) -> int:
         """RoCE: the first RoCE v2 GID with an IPv4-mapped address, else any RoCE v2; IB: index 0."""
@@ -148,7 +190,8 @@ class PyverbsContext(Context):
         state = "ACTIVE" if port.state == self.e.IBV_PORT_ACTIVE else f"state {port.state}"
         p = PortInfo(self.port_num, state, MTU_BYTES.get(port.active_mtu, 0), port.max_msg_sz, port.lid,
                      "Ethernet (RoCE)" if self.is_roce else "InfiniBand", gids)
-        return DeviceInfo("pyverbs", self.name, False, attr.max_mr_size, attr.max_qp_wr, attr.max_sge, attr.max_cqe, (p,))
+        return DeviceInfo("pyverbs", self.name, False, attr.max_mr_size, attr.max_qp_wr, attr.max_sge, attr.max_cqe, (p,),
+                          notes=self.label if self.soft_roce else "", max_mw=int(attr.max_mw))
 
     @property
     def max_msg_bytes(self) -> int:
@@ -164,6 +207,17 @@ class PyverbsPD(PD):
 
         super().__init__(ctx)
         self._pd = _call("alloc_pd", _PD, ctx._ctx)
+        self._scratch: Any = None  # pyverbs MR (its own 64-byte buffer) for receives with no buffer
+
+    def scratch_sge(self) -> Any:
+        """A zero-length SGE over a small registered buffer: the 'no SGE' receive pyverbs 44 cannot build."""
+        from pyverbs.mr import MR as _MR
+        from pyverbs.wr import SGE as _SGE
+
+        if self._scratch is None:
+            mr = _call("reg_mr (scratch)", _MR, self._pd, 64, int(Access.LOCAL_WRITE))
+            self._scratch = mr
+        return _SGE(self._scratch.buf, 0, self._scratch.lkey)
 
     def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> MR:
         from pyverbs.mr import MR as _MR
@@ -181,6 +235,8 @@ class PyverbsPD(PD):
         return PyverbsQP(self, send_cq, recv_cq, cap)
 
     def _close_impl(self) -> None:
+        if self._scratch is not None:
+            self._scratch.close()
         self._pd.close()
 
 
@@ -206,6 +262,7 @@ class PyverbsCQ(CQ):
         out = []
         for wc in wcs[:n]:
             imm = socket.ntohl(wc.imm_data) if wc.wc_flags & self._e.IBV_WC_WITH_IMM else None
+            # the opcode of an error completion is undefined in libibverbs: WCOpcode maps strays to UNKNOWN
             out.append(WC(wc.wr_id, WCStatus(wc.status), WCOpcode(wc.opcode), wc.byte_len, imm, wc.qp_num, wc.vendor_err))
         return out
 
@@ -228,6 +285,7 @@ class PyverbsQP(QP):
                           sq_sig_all=0)
         self._qp = _call("create_qp", _QP, pd._pd, init)
         self.psn = random.randrange(1 << 24)
+        self._in_error = False
 
     def _info(self) -> QPInfo:
         ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
@@ -235,7 +293,14 @@ class PyverbsQP(QP):
                       MTU_BYTES.get(ctx._port.active_mtu, 1024), ctx.max_msg_bytes)
 
     def _state(self) -> QPState:
-        return QPState(self._qp.qp_state)
+        # pyverbs' qp_state is what the last modify set; an error completion moves the QP to ERR in
+        # the kernel without telling pyverbs, so ask the device (ERR is sticky: remember it)
+        if self._in_error:
+            return QPState.ERR
+        attr, _ = _call("query_qp", self._qp.query, self.e.IBV_QP_STATE)
+        state = QPState(attr.qp_state)
+        self._in_error = state in (QPState.ERR, QPState.SQE)
+        return state
 
     def _connect(self, remote: QPInfo, timeout_s: float) -> None:
         from pyverbs.addr import GID, AHAttr, GlobalRoute
@@ -269,19 +334,39 @@ class PyverbsQP(QP):
             ("write", False): e.IBV_WR_RDMA_WRITE, ("write", True): e.IBV_WR_RDMA_WRITE_WITH_IMM,
             ("read", False): e.IBV_WR_RDMA_READ,
         }[(op, imm is not None)]
-        sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges]
-        wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=len(sg), sg=sg,
-                    send_flags=e.IBV_SEND_SIGNALED if signaled else 0, imm_data=socket.htonl(imm or 0))
-        if op != "send":
-            wr.set_wr_rdma(rkey, raddr)
-        _call("post_send", self._qp.post_send, wr)
+
+        pd: PyverbsPD = self.pd  # type: ignore[assignment]
+
+        def post() -> None:  # building the WR is inside _call too: pyverbs checks arguments there
+            # pyverbs 44 refuses num_sge=0 (a zero-byte SEND or WRITE_WITH_IMM): one zero-length SGE instead
+            sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges] or [pd.scratch_sge()]
+            wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=len(sg), sg=sg,
+                        send_flags=e.IBV_SEND_SIGNALED if signaled else 0, imm_data=socket.htonl(imm or 0))
+            if op != "send":
+                wr.set_wr_rdma(rkey, raddr)
+            self._qp.post_send(wr)
+
+        self._posted(f"post_send ({op})", post, f"send queue full ({self.cap.max_send_wr} WRs outstanding)")
 
     def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
         from pyverbs.wr import SGE as _SGE
         from pyverbs.wr import RecvWR
 
-        sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges]
-        _call("post_recv", self._qp.post_recv, RecvWR(wr_id=wr_id, num_sge=len(sg), sg=sg or None))
+        pd: PyverbsPD = self.pd  # type: ignore[assignment]
+
+        def post() -> None:
+            sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges] or [pd.scratch_sge()]
+            self._qp.post_recv(RecvWR(wr_id=wr_id, num_sge=len(sg), sg=sg))
+
+        self._posted("post_recv", post, f"receive queue full ({self.cap.max_recv_wr} WRs posted)")
+
+    def _posted(self, what: str, post: Callable[[], None], full: str) -> None:
+        try:
+            _call(what, post)
+        except EasyVerbsError as exc:
+            if exc.errno == errno.ENOMEM:  # what ibv_post_send/recv return for a full queue
+                raise EasyVerbsError(f"{what}: {full}", errno.ENOMEM) from exc
+            raise
 
     def _close_impl(self) -> None:
         self._qp.close()

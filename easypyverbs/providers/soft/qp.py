@@ -45,6 +45,7 @@ class SoftQP(QP):
         self.psn = secrets.randbelow(PSN_MASK + 1)
         self._next_psn = self.psn
         self._st = QPState.INIT
+        self._err_seen = False  # set before an error completion is pushed; the flush follows
         self._cv = threading.Condition()
         self._send_q: Deque[_WR] = collections.deque()
         self._inflight: Deque[_WR] = collections.deque()
@@ -65,7 +66,8 @@ class SoftQP(QP):
         return QPInfo("soft", self.qpn, self.psn, ctx.nic_address, 0, ctx.link_model.mtu, ctx.max_msg_bytes)  # type: ignore[attr-defined]
 
     def _state(self) -> QPState:
-        return self._st
+        # an error completion is visible only once the QP reads ERR, as on a real device (rxe, NICs)
+        return QPState.ERR if self._err_seen else self._st
 
     def _spawn(self, target: Any, name: str) -> None:
         t = threading.Thread(target=target, name=f"soft-qp{self.qpn}-{name}", daemon=True)
@@ -225,6 +227,8 @@ class SoftQP(QP):
         with self._cv:
             self._outstanding -= 1
             self._cv.notify_all()
+        if status != WCStatus.SUCCESS:
+            self._err_seen = True
         if status != WCStatus.SUCCESS or wr.signaled:
             why = "" if status == WCStatus.SUCCESS else f"the peer answered {status.name}"
             self.send_cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, self.qpn, reason=why))  # type: ignore[attr-defined]
@@ -370,6 +374,8 @@ class SoftQP(QP):
     def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
                 wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False) -> None:
         def deliver() -> None:
+            if then_error:
+                self._err_seen = True
             if wc is not None:
                 self.recv_cq.push(wc)  # type: ignore[attr-defined]
             try:

@@ -1,0 +1,80 @@
+"""`make test-rdma`: the pyverbs legs of the test suite on Soft-RoCE (rxe0) in one qemu VM boot.
+
+    .venv/bin/python deploy/rdma-vm/test-rdma.py [--timeout S] [PYTEST_ARGS...]
+
+Boots the VM once (`fate-rdma vm run`), runs pytest inside on the tests selected below (every test
+whose id names the pyverbs provider), then prints how many ran on rxe0 and how they ended, the boot
+time and the VM leg's wall time. Exit status: 0 all passed (or skipped because qemu cannot run on
+this host: the reason is printed), 1 a test failed or none ran on rxe0, 125 the VM failed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# the legs that run on a real verbs device; their pyverbs parametrizations are picked with -k
+# (tests/test_llm_fedavg.py has pyverbs legs too, but importing FATE-LLM and torch over 9p under TCG
+# takes minutes: run it on demand with `test-rdma.py tests/test_llm_fedavg.py -k pyverbs`)
+FILES = ["tests/test_verbs_conformance.py", "tests/test_verbs_processes.py", "tests/test_providers.py"]
+
+
+def main(argv: list) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--timeout", type=float, default=1500.0, help="limit on the VM leg, boot included (default 1500 s)")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (default: the pyverbs legs of FILES)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from fate_rdma import rdma_vm
+
+    problem = rdma_vm.host_problem()
+    if problem:
+        print(f"test-rdma: SKIPPED, the pyverbs legs did not run: qemu cannot run here: {problem}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="fate-rdma-test-rdma-") as tmp:
+        junit = "$FATE_RDMA_VM_OUT/junit.xml"
+        select = args.pytest_args or [*FILES, "-k", "pyverbs"]
+        cmd = ["sh", "-c", f'exec "$0" -m pytest -q -p no:cacheprovider -rfEs --junitxml="{junit}" "$@"',
+               sys.executable, *select]
+        try:
+            res = rdma_vm.run(cmd, timeout_s=args.timeout, cwd=str(ROOT), out_dir=Path(tmp), memory_mib=6144)
+        except rdma_vm.VMUnavailable as exc:
+            print(f"test-rdma: SKIPPED, the pyverbs legs did not run: {exc}")
+            return 0
+        except rdma_vm.VMError as exc:
+            print(f"test-rdma: FAILED, the VM could not be prepared: {exc}")
+            return rdma_vm.EXIT_VM_FAILED
+        if res.error:
+            print(f"test-rdma: FAILED: {res.error}")
+            return res.status
+        counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+        report = Path(tmp) / "junit.xml"
+        if report.exists():
+            for case in ET.parse(report).getroot().iter("testcase"):
+                kinds = {child.tag for child in case}
+                if kinds & {"failure", "error"}:
+                    counts["failed"] += 1
+                elif "skipped" in kinds:
+                    msg = next(c.get("type", "") + c.get("message", "") for c in case if c.tag == "skipped")
+                    counts["xfailed" if "xfail" in msg else "skipped"] += 1
+                else:
+                    counts["passed"] += 1
+        ran = counts["passed"] + counts["failed"] + counts["xfailed"]
+        boot = f"{res.boot_s:.1f} s" if res.boot_s is not None else "?"
+        print(f"test-rdma: {ran} tests ran on rxe0 ({res.label}): {counts['passed']} passed, {counts['failed']} failed, "
+              f"{counts['xfailed']} xfailed (named device differences), {counts['skipped']} skipped; "
+              f"boot to rxe0 ACTIVE {boot} (guest clock), VM leg {res.wall_s:.0f} s wall")
+        if res.status != 0 or counts["failed"]:
+            return 1
+        if ran == 0:
+            print("test-rdma: FAILED: no test ran on rxe0")
+            return 1
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
