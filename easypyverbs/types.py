@@ -72,6 +72,8 @@ class QPInfo:
     lid: int = 0
     mtu: int = 4096
     max_msg_bytes: int = 1 << 30
+    #: soft provider: the secret a requester must present to attach to this QP (hex); "" elsewhere
+    token: str = dataclasses.field(default="", repr=False)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,7 +91,10 @@ class QPInfo:
             lid=_need(d, "lid", int, what),
             mtu=_need(d, "mtu", int, what),
             max_msg_bytes=_need(d, "max_msg_bytes", int, what),
+            token=d.get("token", ""),
         )
+        if not isinstance(info.token, str) or len(info.token) > 64 or any(c not in "0123456789abcdef" for c in info.token):
+            raise BootstrapError(f"{what}: token must be at most 64 lowercase hex digits")
         if not (0 <= info.qpn < 1 << 24 and 0 <= info.psn < 1 << 24):
             raise BootstrapError(f"{what}: qpn/psn out of the 24-bit range")
         return info

@@ -54,6 +54,17 @@ class ChannelConfig:
     soft_link: Optional[str] = None
     #: progress bar for long transfers (CLI); off in library use
     progress: bool = False
+    #: peer authentication: "auto" = HMAC-SHA256 challenge-response when secret_file is set, else none;
+    #: "hmac" requires secret_file; without a secret an endpoint may only listen on loopback
+    auth: str = "auto"
+    #: file holding the federation's shared secret (hex or raw, >= 16 bytes, mode 600): per site, never
+    #: in a job conf; `fate-rdma secret FILE` writes one
+    secret_file: Optional[str] = None
+    #: handshakes of not-yet-authenticated peers at once; more connections are closed at accept
+    max_pending_handshakes: int = 16
+    #: receive memory (FedRDMA-E pools, FedRDMA staging and reassembly) one endpoint may hold;
+    #: None = half of this machine's memory. A peer or transfer that would exceed it is refused.
+    memory_budget_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -92,6 +103,29 @@ class ChannelConfig:
             bad(f"provider must be auto, pyverbs or soft, got {self.provider!r}")
         if self.soft_link and self.provider == "pyverbs":
             bad("soft_link applies to the soft provider only")
+        if self.auth not in ("auto", "hmac", "none"):
+            bad(f"auth must be auto, hmac or none, got {self.auth!r}")
+        if self.auth == "hmac" and not self.secret_file:
+            bad("auth: hmac needs secret_file (the federation's shared secret; `fate-rdma secret FILE` makes one)")
+        if self.auth == "none" and self.secret_file:
+            bad("auth: none and a secret_file contradict each other")
+        if not 1 <= self.max_pending_handshakes <= 1024:
+            bad(f"max_pending_handshakes must be within [1, 1024], got {self.max_pending_handshakes}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1 << 20:
+            bad(f"memory_budget_bytes must be at least 1 MiB, got {self.memory_budget_bytes}")
+
+    @property
+    def budget_bytes(self) -> int:
+        """memory_budget_bytes, or half of this machine's memory."""
+        if self.memory_budget_bytes is not None:
+            return self.memory_budget_bytes
+        try:
+            import os
+
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        except (ValueError, OSError, AttributeError):
+            return 8 << 30
+
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "ChannelConfig":

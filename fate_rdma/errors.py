@@ -46,3 +46,8 @@ class PayloadTooLarge(TransferError):
 
 class PeerUnreachable(TransferError):
     """The peer cannot be reached or its connection died."""
+
+
+class AuthenticationError(RemoteProtocolError):
+    """The peer did not prove that it holds the federation's secret, or proved another identity than
+    the one it must have."""

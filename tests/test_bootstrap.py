@@ -128,11 +128,32 @@ def test_protocol_violation_on_a_qp_errors_it():
         qp.post_recv([], wr_id=5)
         host, _, port = ctx.nic_address.rpartition(":")
         s = socket.create_connection((host, int(port)), timeout=5)
-        s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0))
+        s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, qp.token))
         assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == wire.HELLO_OK
         s.sendall(b"\xde\xad" * 20)  # not a request frame
         (wc,) = cq.wait(5)
         assert wc.status == ev.WCStatus.WR_FLUSH_ERR and qp.state == ev.QPState.ERR
         s.close()
+    finally:
+        ctx.close()
+
+
+def test_soft_qp_cannot_be_attached_without_its_token():
+    """Someone who finds a QP number (by scanning) but never got its QPInfo over the bootstrap is
+    refused, and the QP stays free for the peer that did."""
+    from easypyverbs.providers.soft import wire
+
+    ctx = ev.open_device(provider="soft")
+    try:
+        qp = ctx.alloc_pd().create_qp(ctx.create_cq())
+        host, _, port = ctx.nic_address.rpartition(":")
+        for guess in (bytes(16), b"\x01" * 16):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, guess))
+                assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == wire.HELLO_BAD_TOKEN
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, qp.token))
+            assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == wire.HELLO_OK
+        assert ev.QPInfo.from_dict(qp.info().to_dict()).token == qp.token.hex()
     finally:
         ctx.close()

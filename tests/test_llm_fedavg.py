@@ -72,6 +72,7 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
         # each round: the mixed weights up to the arbiter, the average back
         assert rdma[role]["rdma"]["rdma_transfers"] == 2 and rdma[role]["rdma"]["fate_fallbacks"] == 0
         assert ("emulated" if provider == "soft" else "Soft-RoCE (rxe)") in rdma[role]["label"]
+        assert rdma[role]["authenticated"] is True  # `fate-rdma launch` gave the job its own secret
     assert plain["guest"]["sha256"] == plain["host"]["sha256"]  # both clients end on the same average
     assert rdma["arbiter"]["rdma"]["rdma_transfers"] == 4  # the average, to each client, each round
     # no leaks once the job is over: endpoints closed, no shared memory left

@@ -435,7 +435,63 @@ def test_fedrdma_sender_respects_staging_credit():
 
 
 def test_received_bytes_counts_bytes():
-    r = P.FedRdmaReceiver(1000)
+    r = P.FedRdmaReceiver(1000, verify_crc=False)
     h = P.Header(P.HeaderKind.CHUNK, 4, 1, 3, 10, 10, 0, 25)
     r.on_chunk(h, memoryview(bytes(10)), 0.0)
     assert r.received_bytes(4) == 10 and r.received_bytes(5) == 0
+
+
+# -- what a receiver accepts: its own integrity rule, exact tiling ---------------------------------------
+def chunk_hdr(tid, seq, n, off, length, total, crc=True, data=None):
+    data = bytes(length) if data is None else data
+    return P.Header(P.HeaderKind.CHUNK, tid, seq, n, off, length, 0, total, crc32c.crc32c(data) if crc else 0, 0, crc)
+
+
+def test_receiver_requires_its_checksum():
+    r = P.FedRdmaReceiver(1000)  # configured with crc32c
+    with pytest.raises(E.RemoteProtocolError, match="no checksum"):
+        r.on_chunk(chunk_hdr(1, 0, 1, 0, 10, 10, crc=False), memoryview(bytes(10)), 0.0)
+    assert r.on_chunk(chunk_hdr(1, 0, 1, 0, 10, 10), memoryview(bytes(10)), 0.0) is None  # dropped for good
+    rx = P.FedRdmaEReceiver(1, 100)
+    raw = P.encode_header(P.Header(P.HeaderKind.SLOT, 2, 0, 1, 0, 10, 0, 10, 0, 0, False))
+    with pytest.raises(E.RemoteProtocolError, match="no checksum"):
+        rx.on_write_imm(0, memoryview(raw))
+    assert rx.held == set()
+
+
+def test_chunks_with_a_gap_are_never_delivered():
+    r = P.FedRdmaReceiver(1000)
+    r.on_chunk(chunk_hdr(1, 0, 2, 0, 10, 30), memoryview(bytes(10)), 0.0)
+    with pytest.raises(E.RemoteProtocolError, match="a gap"):
+        r.on_chunk(chunk_hdr(1, 1, 2, 20, 10, 30), memoryview(bytes(10)), 0.0)  # bytes 10..20 never written
+
+
+def test_overlapping_chunks_are_refused():
+    r = P.FedRdmaReceiver(1000)
+    r.on_chunk(chunk_hdr(1, 0, 3, 0, 10, 30), memoryview(bytes(10)), 0.0)
+    with pytest.raises(E.RemoteProtocolError, match="overlap"):
+        r.on_chunk(chunk_hdr(1, 1, 3, 5, 10, 30), memoryview(bytes(10)), 0.0)
+    with pytest.raises(E.RemoteProtocolError, match="overlap"):
+        r2 = P.FedRdmaReceiver(1000)
+        r2.on_chunk(chunk_hdr(2, 1, 3, 10, 10, 30), memoryview(bytes(10)), 0.0)
+        r2.on_chunk(chunk_hdr(2, 2, 3, 0, 15, 30), memoryview(bytes(15)), 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=8))
+def test_fuzz_delivered_transfers_tile_exactly(chunks):
+    """Whatever chunks a sender invents, a transfer is only ever complete when they tile it exactly."""
+    total, n = 40, 6
+    r = P.FedRdmaReceiver(1000)
+    covered = bytearray(total)
+    for seq, off, length in chunks:
+        length = min(length, total - off)
+        try:
+            placed = r.on_chunk(chunk_hdr(1, seq, n, off, length, total), memoryview(bytes(length)), 0.0)
+        except E.RemoteProtocolError:
+            return
+        if placed is not None:
+            for i in range(off, off + length):
+                covered[i] += 1
+            if placed.complete:
+                assert all(c == 1 for c in covered)

@@ -2,7 +2,8 @@
 
 Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc"} starts a gRPC
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
-a fate-rdma Endpoint; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
+a fate-rdma Endpoint (optional "name", "allowed_peers"); {"cmd": "stats"} reports its memory, threads and
+refusals; {"cmd": "send", "address", "hex"} sends from it; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
 {"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
 calls arrived in all, and answers with the peak RSS above the level before the last "mark" and
 above the level before the endpoint was made, the endpoint's FedRDMA-E pool bytes (and, with "record": true on the
@@ -114,7 +115,8 @@ def serve(host: str, port: int) -> int:
                     old.close()
                 record = bool(cmd.get("record"))
                 ep_base_rss = rss_bytes()
-                ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host)
+                ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host, name=cmd.get("name"),
+                              allowed_peers=cmd.get("allowed_peers"))
                 threading.Thread(target=drain, daemon=True).start()
                 conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
             elif op == "mark":
@@ -129,6 +131,18 @@ def serve(host: str, port: int) -> int:
                            "endpoint_rss_bytes": max(0, peak_rss_bytes() - ep_base_rss),
                            "pool_bytes": ep.pool_bytes() if ep is not None else 0,
                            "records": counter.records[-int(cmd["count"]):] if record else []})
+            elif op == "stats":  # for the adversary tests: what the endpoint holds now
+                conn.send({"ok": True, "rss_bytes": rss_bytes(), "threads": threading.active_count(),
+                           "refused": ep.refused if ep is not None else 0,
+                           "budget_held_bytes": ep.budget.held_bytes if ep is not None else 0,
+                           "pool_bytes": ep.pool_bytes() if ep is not None else 0,
+                           "peers": ep.peers() if ep is not None else [], "count": counter.n})
+            elif op == "send":  # this endpoint sends to `address` (as the victim answering a party)
+                try:
+                    info = ep.send(cmd["address"], bytes.fromhex(cmd["hex"]), cmd.get("metadata")).result(30)  # type: ignore[union-attr]
+                    conn.send({"ok": True, "info": info})
+                except Exception as exc:
+                    conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             elif op == "exit":
                 conn.send({"ok": True})
                 return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import List
+from typing import Any, List
 
 import numpy as np
 
@@ -31,9 +31,9 @@ def fresh(n: int) -> np.ndarray:
     return np.empty(max(n, 1), dtype=np.uint8)
 
 
-def prefault(buf: np.ndarray, piece_bytes: int = 64 << 20) -> None:
-    """Fault every page of `buf` in now, without holding the GIL: reading /dev/zero into it makes the
-    kernel touch each page inside the read() call (which releases the GIL), a piece at a time."""
+def zero_fill(buf: Any, piece_bytes: int = 64 << 20) -> None:
+    """Zero `buf` (and fault every page of it in) without holding the GIL: reading /dev/zero into it
+    makes the kernel write each page inside the read() call, which releases the GIL, a piece at a time."""
     view = memoryview(buf).cast("B")
     try:
         with open("/dev/zero", "rb", buffering=0) as zero:
@@ -45,7 +45,7 @@ def prefault(buf: np.ndarray, piece_bytes: int = 64 << 20) -> None:
                         raise OSError("short read from /dev/zero")
                     piece = piece[n:]
     except OSError:
-        buf.fill(0)
+        view[:] = bytes(view.nbytes)
 
 
 def copy_into(dest: np.ndarray, offset: int, src: memoryview) -> None:
@@ -87,3 +87,24 @@ class RecvBuffers:
     def clear(self) -> None:
         with self._lock:
             self._bufs = []
+
+
+class Budget:
+    """The endpoint's receive-memory budget: pools, staging areas and reassembly buffers in flight
+    reserve from it before they are allocated, and give back when freed."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if nbytes < 0 or self.held_bytes + nbytes > self.limit_bytes:
+                return False
+            self.held_bytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held_bytes = max(0, self.held_bytes - nbytes)

@@ -30,6 +30,7 @@ from .checksum import payload_checksum_async
 from .control import ControlSender, RttProbe
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
+from .auth import Identity
 from .handshake import Hello, PoolOffer, StagingOffer, confirm_posted, exchange_hello
 from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
@@ -44,12 +45,15 @@ RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up fro
 
 
 class Connection:
-    def __init__(self, endpoint: Any, boot: ev.BootstrapConn, dialer: bool) -> None:
+    def __init__(self, endpoint: Any, boot: ev.BootstrapConn, dialer: bool, identity: Identity) -> None:
+        """`identity`: who the peer proved to be on `boot` (auth.authenticate ran first)."""
         self.endpoint = endpoint
         self.cfg: ChannelConfig = endpoint.config
         self.boot = boot
+        self.identity = identity
         self.rcs: List[ev.RCConnection] = []
         self.mem: Optional[LocalMemory] = None
+        self._reserved = 0  # bytes of the endpoint's memory budget this connection holds
         self.cq = endpoint.ctx.create_cq(8192)
         try:
             self._setup(endpoint.ctx, endpoint.pd, boot)
@@ -79,9 +83,17 @@ class Connection:
         staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                    if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
         peer = exchange_hello(boot, Hello(self.endpoint.name, cfg.qps_per_peer, pool, staging), t)
+        if peer.name != self.identity.name:
+            raise RemoteProtocolError(f"peer authenticated as {self.identity.name!r} names itself {peer.name!r} in its hello")
         self.peer = peer.name
         self.peer_hello = peer
         nqps = max(1, min(cfg.qps_per_peer, peer.qps))
+        offered = (pool.slots * pool.slot_bytes if pool else 0) + (staging.count * staging.buf_bytes if staging else 0)
+        if not self.endpoint.budget.reserve(offered):
+            raise PayloadTooLarge(f"connection from {peer.name}: its receive memory ({offered} bytes) would exceed this "
+                                  f"endpoint's memory budget ({self.endpoint.budget.limit_bytes} bytes, "
+                                  f"{self.endpoint.budget.held_bytes} held)")
+        self._reserved = offered
         self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging)
         self.pool_bytes = mem.pool_bytes
         cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=8, max_recv_sge=1)
@@ -94,9 +106,11 @@ class Connection:
             for k in range(RECV_DEPTH):
                 self._post_recv(i, k)
         confirm_posted(boot, t)
-        for name, offer in (("pool", peer.pool), ("staging", peer.staging)):
-            if offer is not None and name not in self.remote:
-                raise RemoteProtocolError(f"{self.peer} offers a {name} in its hello but sent no MR for it")
+        if peer.staging is not None:
+            st = self.remote.get("staging")
+            if st is None or st.length < peer.staging.count * peer.staging.buf_bytes:
+                raise RemoteProtocolError(f"{self.peer} offers {peer.staging.count} staging buffers of "
+                                          f"{peer.staging.buf_bytes} bytes but no MR that holds them")
         self.slot_sender = SlotSender(self, peer.pool) if peer.pool else None
         self.staged_sender = StagedSender(self, peer.staging) if peer.staging else None
         self.slot_receiver = SlotReceiver(self, pool) if pool else None
@@ -363,7 +377,7 @@ class Connection:
         elif c.kind is CtrlKind.CREDIT:
             if self.slot_sender is None:
                 raise RemoteProtocolError(f"{self.peer} sent a CREDIT; it offered no receive pool")
-            self.slot_sender.on_credit(int(c.value))
+            self.slot_sender.on_credit(int(c.value), int(c.aux))
         elif c.kind is CtrlKind.CANCEL:
             if a is not None and a.fut.transfer_id == c.transfer_id:
                 self.fail_out(a, TransferCancelled(f"transfer {c.transfer_id} cancelled by {self.peer}: {c.reason}",
@@ -451,5 +465,7 @@ class Connection:
             rc.qp.abort()
         if self.mem is not None:
             self.mem.close()
+        self.endpoint.budget.release(self._reserved)
+        self._reserved = 0
         self.cq.close()
         self.boot.close()

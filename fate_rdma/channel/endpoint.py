@@ -5,25 +5,37 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import easypyverbs as ev
 
 from ..config import ChannelConfig
-from ..errors import PeerUnreachable, TransferTimeout
-from .buffers import RecvBuffers
+from ..errors import AuthenticationError, ConfigError, PeerUnreachable, TransferTimeout
+from .auth import authenticate, load_secret
+from .buffers import Budget, RecvBuffers
 from .connection import Connection
 from .transfer import Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 class Endpoint:
     """A fate-rdma channel endpoint at `host:port` (port 0 picks one; see `.address`)."""
 
     def __init__(self, config: ChannelConfig = ChannelConfig(), host: str = "127.0.0.1", port: int = 0,
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, allowed_peers: Optional[Iterable[str]] = None) -> None:
+        """`allowed_peers`: the names (party endpoint addresses) that may connect here; None = any
+        peer that proves the federation's secret."""
         self.config = config
+        self.secret = load_secret(config.secret_file) if config.secret_file else None
+        if self.secret is None and not _loopback(host):
+            raise ConfigError(f"fate-rdma endpoint on {host}: without authentication an endpoint may only listen on "
+                              f"loopback; set secret_file (the federation's shared secret, `fate-rdma secret FILE`)")
+        self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
         provider = config.provider
         self.ctx = ev.open_device(config.device, provider, link=config.soft_link if provider != "pyverbs" else None,
                                   **({"bind_host": host} if provider == "soft" else {}))
@@ -38,10 +50,17 @@ class Endpoint:
         self._dialing: Dict[str, threading.Lock] = {}
         self._inbox: "queue.Queue[Message]" = queue.Queue()
         self.recv_buffers = RecvBuffers(config.recv_cache_bytes)
+        self.budget = Budget(config.budget_bytes)
+        self._pending = threading.BoundedSemaphore(config.max_pending_handshakes)
+        self.refused = 0  # connections closed unauthenticated or over the pending cap (for tests and doctor)
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
-        log.info("fate-rdma endpoint %s on %s (%s)", self.name, self.address, self.ctx.label)
+        log.info("fate-rdma endpoint %s on %s (%s), peers %s", self.name, self.address, self.ctx.label,
+                 "authenticated (HMAC-SHA256 over the federation secret)" if self.secret else "NOT authenticated")
+        if self.secret is None:
+            log.warning("fate-rdma endpoint %s: UNAUTHENTICATED (no secret_file): loopback only; any local process "
+                        "can connect", self.name)
 
     @property
     def label(self) -> str:
@@ -54,15 +73,32 @@ class Endpoint:
                 boot = self.listener.accept(timeout_s=0.5)
             except ev.BootstrapError:
                 continue
+            if not self._pending.acquire(blocking=False):  # bounded: no thread per stranger
+                self.refused += 1
+                if self.refused in (1, 10, 100, 1000):
+                    log.warning("fate-rdma endpoint %s: %d handshakes already pending; closed a connection from %s "
+                                "(%d so far)", self.name, self.config.max_pending_handshakes, boot.peer, self.refused)
+                boot.close()
+                continue
             threading.Thread(target=self._accept_one, args=(boot,), name="fate-rdma-handshake", daemon=True).start()
 
     def _accept_one(self, boot: ev.BootstrapConn) -> None:
+        # every read of the handshake has its own deadline (connect_timeout_s) and the handshake has a
+        # fixed number of reads, so a stranger holds one of max_pending_handshakes slots for a bounded time
         try:
-            conn = Connection(self, boot, dialer=False)
+            allowed = self.allowed_peers
+            who = authenticate(boot, self.name, self.secret, dialer=False, timeout_s=self.config.connect_timeout_s,
+                               accept=None if allowed is None else allowed.__contains__)
+            if allowed is not None and who.name not in allowed:  # unauthenticated (loopback) peers too
+                raise AuthenticationError(f"{who.name!r} is not a party of this endpoint's federation")
+            conn = Connection(self, boot, dialer=False, identity=who)
         except Exception as exc:
-            log.warning("rejected a connection from %s: %s", boot.peer, exc)
+            self.refused += 1
+            log.warning("fate-rdma endpoint %s: rejected a connection from %s:%s: %s", self.name, *boot.peer[:2], exc)
             boot.close()
             return
+        finally:
+            self._pending.release()
         with self._lock:
             old = self._conns.get(conn.peer)
             self._conns[conn.peer] = conn
@@ -70,7 +106,8 @@ class Endpoint:
             old.close()
 
     def connect(self, address: str) -> Connection:
-        """The connection to the endpoint at `address` (host:port), made on first use and reused."""
+        """The connection to the endpoint at `address` (host:port), made on first use and reused. With
+        authentication on, the endpoint there must prove that its name is `address`."""
         with self._lock:
             conn = self._conns.get(address)
             if conn is not None and conn.dead is None:
@@ -84,12 +121,22 @@ class Endpoint:
             host, _, port = address.rpartition(":")
             try:
                 boot = ev.connect(host, int(port), timeout_s=self.config.connect_timeout_s)
-                conn = Connection(self, boot, dialer=True)
-            except (ev.EasyVerbsError, OSError) as exc:
+            except (ev.EasyVerbsError, OSError, ValueError) as exc:
                 raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+            try:
+                who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
+                if who.authenticated and who.name != address:
+                    raise AuthenticationError(f"the endpoint at {address} proved it is {who.name!r}, not {address!r}")
+                conn = Connection(self, boot, dialer=True, identity=who)
+            except (ev.EasyVerbsError, OSError) as exc:
+                boot.close()
+                raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+            except BaseException:
+                boot.close()
+                raise
             with self._lock:
                 self._conns[address] = conn
-                if conn.peer != address:
+                if conn.peer != address and not who.authenticated:
                     self._conns.setdefault(conn.peer, conn)
             return conn
 

@@ -108,7 +108,7 @@ class StagedReceiver:
         try:
             placed = self.machine.on_chunk(hdr, data, time.monotonic())
         except (IntegrityError, PayloadTooLarge, RemoteProtocolError) as exc:
-            self._incoming.pop(hdr.transfer_id, None)
+            self._forget(hdr.transfer_id)
             code = (ErrorCode.INTEGRITY if isinstance(exc, IntegrityError) else
                     ErrorCode.TOO_LARGE if isinstance(exc, PayloadTooLarge) else ErrorCode.PROTOCOL)
             conn.refuse(hdr.transfer_id, code, str(exc))
@@ -117,13 +117,21 @@ class StagedReceiver:
         if placed is not None:
             inc = self._incoming.get(hdr.transfer_id)
             if inc is None:
+                budget = conn.endpoint.budget
+                if not budget.reserve(hdr.total):  # refused at its first chunk, before allocation
+                    self.machine.cancel(hdr.transfer_id)
+                    conn.refuse(hdr.transfer_id, ErrorCode.TOO_LARGE,
+                                f"{hdr.total} bytes would exceed the receiver's memory budget ({budget.limit_bytes} "
+                                f"bytes, {budget.held_bytes} held)")
+                    conn.send_ctrl(ack)
+                    return
                 inc = self._incoming[hdr.transfer_id] = _Reassembly(hdr.total, conn.endpoint.recv_buffers)
             copy_into(inc.dest, hdr.offset, data)  # the reassembly copy FedRDMA pays for
             if hdr.seq == 0:
                 meta = bytes(view[P.HEADER.size:P.HEADER.size + hdr.meta_len])
                 if hdr.has_crc and crc32c.crc32c(meta) != hdr.meta_crc:
                     self.machine.cancel(hdr.transfer_id)
-                    self._incoming.pop(hdr.transfer_id, None)
+                    self._forget(hdr.transfer_id)
                     conn.refuse(hdr.transfer_id, ErrorCode.INTEGRITY, "metadata crc32c mismatch")
                     conn.send_ctrl(ack)
                     return
@@ -131,21 +139,28 @@ class StagedReceiver:
         conn.send_ctrl(ack)
         if placed is not None and placed.complete:
             inc = self._incoming.pop(hdr.transfer_id)
+            conn.endpoint.budget.release(hdr.total)  # the application's memory from here on
             conn.deliver(hdr.transfer_id, inc.meta or b"{}", inc.view, "fedrdma", None)
+
+    def _forget(self, transfer_id: int) -> None:
+        inc = self._incoming.pop(transfer_id, None)
+        if inc is not None:
+            self.conn.endpoint.budget.release(inc.dest.nbytes)
 
     def on_cancel(self, transfer_id: int) -> bool:
         """The sender cancelled `transfer_id`; True if it was arriving here."""
         if self.machine.cancel(transfer_id):
-            self._incoming.pop(transfer_id, None)
+            self._forget(transfer_id)
             return True
         return False
 
     def tick(self, now: float) -> None:
         for tid in self.machine.expired(now):
-            self._incoming.pop(tid, None)
+            self._forget(tid)
             self.conn.refuse(tid, ErrorCode.TIMEOUT, f"incoming transfer dropped: no chunk for "
                              f"{self.conn.cfg.no_progress_timeout_s:g} s")
 
     def clear(self) -> None:
-        self._incoming.clear()
+        for tid in list(self._incoming):
+            self._forget(tid)
 

@@ -10,14 +10,18 @@ slot; releasing it sends the slot's CREDIT back.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import crc32c
 
+import easypyverbs as ev
+
 from .. import protocol as P
-from ..errors import IntegrityError
+from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
+from .buffers import zero_fill
 from .checksum import payload_checksum, payload_checksum_async
 from .handshake import PoolOffer
 
@@ -31,6 +35,14 @@ class SlotSender:
     def __init__(self, conn: "Connection", offer: PoolOffer) -> None:
         self.conn, self.offer = conn, offer
         self.ring = P.SlotRing(offer.slots)
+        #: each slot's MR at the peer, as last granted (its CREDIT carries the new rkey)
+        self.slot_mrs: List[ev.RemoteMR] = []
+        for i in range(offer.slots):
+            mr = conn.remote.get(f"slot{i}")
+            if mr is None or mr.length < offer.slot_bytes:
+                raise RemoteProtocolError(f"{conn.peer}: receive slot {i} of {offer.slots} has no MR of "
+                                          f"{offer.slot_bytes} bytes (got {mr.length if mr else 'none'})")
+            self.slot_mrs.append(mr)
         #: PLACED transfers, waiting for the receiver's DONE, by transfer id
         self.placed: Dict[int, "Outgoing"] = {}
 
@@ -56,15 +68,14 @@ class SlotSender:
     def _post(self, o: "Outgoing", c: P.Chunk) -> None:
         conn = self.conn
         qp = conn.next_qp() if c.seq else conn.rcs[0].qp
-        pool = conn.remote["pool"]
-        data_off = self.offer.payload_offset(o.slot, c.offset)  # type: ignore[arg-type]
+        slot_mr = self.slot_mrs[o.slot]  # type: ignore[index]
+        data_off = self.offer.offset_in_slot(c.offset)
         if c.seq != 0:
-            conn.post_data(qp, o, c, pool, data_off, True, c.seq)
+            conn.post_data(qp, o, c, slot_mr, data_off, True, c.seq)
             return
-        conn.post_data(qp, o, c, pool, data_off, False, 0)
+        conn.post_data(qp, o, c, slot_mr, data_off, False, 0)
         crc = o.crc_future.result() if o.checksums else None
-        conn.post_header(qp, o, o.machine.header(len(o.meta), crc, o.meta_crc), 0, pool,
-                         self.offer.slot_base(o.slot), o.machine.imm)  # type: ignore[arg-type]
+        conn.post_header(qp, o, o.machine.header(len(o.meta), crc, o.meta_crc), 0, slot_mr, 0, o.machine.imm)
 
     def on_write_complete(self, o: "Outgoing", seq: int) -> None:
         m: P.FedRdmaESender = o.machine
@@ -85,8 +96,12 @@ class SlotSender:
                 and isinstance(active.machine, P.FedRdmaESender) and active.error is None:
             active.machine.on_confirm()  # noted; completes when its last WRITE does
 
-    def on_credit(self, slot: int) -> None:
+    def on_credit(self, slot: int, rkey: int) -> None:
+        """The peer released `slot` and granted it again under `rkey`."""
         self.ring.credit(slot)
+        if not 0 <= rkey < 1 << 32:
+            raise RemoteProtocolError(f"{self.conn.peer}: CREDIT for slot {slot} carries rkey {rkey}")
+        self.slot_mrs[slot] = dataclasses.replace(self.slot_mrs[slot], rkey=rkey)
 
     def forget(self, o: "Outgoing") -> None:
         """`o` failed: stop waiting for its verdict, and take its slot back if the peer never saw it."""
@@ -117,7 +132,21 @@ class SlotReceiver:
         slot, _ = P.fedrdma_e.split_imm(imm)
         # a slot out of range is refused by the machine before it reads the (empty) view
         view = conn.mem.slot_view(slot) if slot < self.machine.nslots else memoryview(b"")
-        msg = self.machine.on_write_imm(imm, view)
+        try:
+            msg = self.machine.on_write_imm(imm, view)
+        except RemoteProtocolError as exc:
+            # a header we can read, refused (no checksum, sizes beyond the slot): refuse that transfer and
+            # give the slot back; anything worse (no such slot, a slot still held, garbage) ends the connection
+            try:
+                tid = P.decode_header(bytes(view[:P.HEADER.size])).transfer_id
+            except RemoteProtocolError:
+                raise exc from None
+            if slot in self.machine.held:
+                raise
+            conn.refuse(tid, ErrorCode.PROTOCOL, str(exc))
+            self._credit(slot)
+            return
+        conn.mem.revoke_slot(slot)  # before the checksum: nothing the peer writes from now on lands here
         h = msg.header
         meta = view[msg.meta_offset:msg.meta_offset + h.meta_len]
         payload = view[msg.payload_offset:msg.payload_offset + h.total]
@@ -126,11 +155,20 @@ class SlotReceiver:
                 self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum([payload]))
         except IntegrityError as exc:
             conn.refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
-            conn.send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot))
+            self._credit(slot)
             return
         conn.send_ctrl(P.Ctrl(CtrlKind.DONE, h.transfer_id))
         conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot))
 
     def release(self, slot: int) -> None:
         self.machine.release(slot)
-        self.conn.send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot))
+        if not self.machine.verify_crc:
+            # without a checksum nothing proves the next transfer writes every byte it announces:
+            # clear the slot, so that bytes not written by that sender in that transfer read as zeros
+            zero_fill(self.conn.mem.slot_view(slot))
+        self._credit(slot)
+
+    def _credit(self, slot: int) -> None:
+        """Grant `slot` to the peer again, under a new rkey, and tell it."""
+        rkey = self.conn.mem.grant_slot(slot)
+        self.conn.send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot, rkey))

@@ -67,8 +67,12 @@ class PoolOffer:
         return slot * self.slot_bytes
 
     def payload_offset(self, slot: int, offset: int) -> int:
-        """Offset in the pool MR of payload byte `offset` of slot `slot`."""
+        """Offset in the pool of payload byte `offset` of slot `slot`."""
         return self.slot_base(slot) + HEADER.size + self.meta_cap + offset
+
+    def offset_in_slot(self, offset: int) -> int:
+        """Offset in a slot's own MR of payload byte `offset`."""
+        return HEADER.size + self.meta_cap + offset
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any], where: str) -> "PoolOffer":
@@ -136,7 +140,7 @@ class Hello:
 
 def exchange_hello(boot: ev.BootstrapConn, mine: Hello, timeout_s: float) -> Hello:
     """Send our hello, read and validate the peer's."""
-    return Hello.from_wire(boot.exchange(mine.to_wire(), timeout_s), str(boot.peer))
+    return Hello.from_wire(boot.exchange(mine.to_wire(), timeout_s), f"{boot.peer[0]}:{boot.peer[1]}")
 
 
 def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:

@@ -1,6 +1,7 @@
 """The registered memory of one connection, and where each thing sits in it.
 
-    pool      FedRDMA-E receive slots (remote write), each [HEADER][metadata cap][payload]
+    pool      FedRDMA-E receive slots (remote write), each [HEADER][metadata cap][payload], each its
+              own MR: revoked when its transfer arrives, registered anew (new rkey) when released
     staging   FedRDMA staging buffers (remote write), each [HEADER][metadata cap][chunk]
     recv      the receive ring: small buffers for control SENDs (and the WRITE_WITH_IMM notices)
     ctrl      outgoing control frames, one buffer per SEND in flight
@@ -18,7 +19,7 @@ import numpy as np
 import easypyverbs as ev
 
 from ..protocol.frames import CTRL, HEADER, MAX_META
-from .buffers import prefault
+from .buffers import zero_fill
 from .handshake import PoolOffer, StagingOffer
 
 #: a control frame (CTRL + reason) fits with room to spare
@@ -42,9 +43,14 @@ class LocalMemory:
         rw = ev.Access.all_rdma()
         try:
             self.pool_bytes = pool.slots * pool.slot_bytes if pool is not None else 0
+            self._pd = pd
+            self.slot_mrs: List[Optional[ev.MR]] = []
             if pool is not None:
-                self.pool_buf, self.remote_mrs["pool"] = self._register(pd, self.pool_bytes, rw)
-                prefault(self.pool_buf)  # now, as pinning by ibv_reg_mr would, not during a transfer
+                self.pool_buf = np.empty(max(self.pool_bytes, 1), dtype=np.uint8)
+                zero_fill(self.pool_buf)  # now, as pinning by ibv_reg_mr would, not during a transfer
+                for i in range(pool.slots):  # one MR per slot: a grant the peer loses while the slot is held
+                    self.slot_mrs.append(self._slot_mr(i))
+                    self.remote_mrs[f"slot{i}"] = self.slot_mrs[i]  # type: ignore[assignment]
             if staging is not None:
                 self.staging_buf, self.remote_mrs["staging"] = self._register(pd, staging.count * staging.buf_bytes, rw)
             self.nqps = nqps
@@ -57,6 +63,24 @@ class LocalMemory:
             raise
         self.hdr_free = list(range(nhdr - 1, -1, -1))
         self.ctrl_free = list(range(CTRL_SENDS - 1, -1, -1))
+
+    # -- FedRDMA-E grants: the peer may write a slot only while it holds that slot's current rkey -------
+    def _slot_mr(self, slot: int) -> ev.MR:
+        assert self.pool is not None
+        base = self.pool.slot_base(slot)
+        return self._pd.reg_mr(self.pool_buf[base:base + self.pool.slot_bytes], ev.Access.all_rdma())
+
+    def revoke_slot(self, slot: int) -> None:
+        """The slot's transfer arrived: from now on the peer's WRITEs to it fail (remote access error)."""
+        mr, self.slot_mrs[slot] = self.slot_mrs[slot], None
+        if mr is not None:
+            mr.close()
+
+    def grant_slot(self, slot: int) -> int:
+        """Give the slot back to the peer under a new rkey (returned, for its CREDIT)."""
+        self.revoke_slot(slot)
+        mr = self.slot_mrs[slot] = self._slot_mr(slot)
+        return mr.remote().rkey
 
     def _register(self, pd: ev.PD, nbytes: int, access: ev.Access) -> Tuple[np.ndarray, ev.MR]:
         buf = np.empty(max(nbytes, 1), dtype=np.uint8)  # untouched pages cost no memory until written
@@ -99,6 +123,6 @@ class LocalMemory:
         return memoryview(self.staging_buf)[base:base + self.staging.buf_bytes]
 
     def close(self) -> None:
-        for mr in self.mrs:
+        for mr in self.mrs + [m for m in getattr(self, "slot_mrs", []) if m is not None]:
             mr.close()
-        self.mrs = []
+        self.mrs, self.slot_mrs = [], []

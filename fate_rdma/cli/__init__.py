@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "hook": ("fate_rdma.cli.hook", "install the start-up hook that switches fate-rdma on in FATE task processes"),
     "launch": ("fate_rdma.cli.launch", "run a FATE launcher script with fate-rdma switched on"),
     "flow": ("fate_rdma.cli.flow", "fate-flow jobs: once-per-site setup/remove/check of dag.conf.extra.fate_rdma"),
+    "secret": ("fate_rdma.cli.secret", "write a fresh federation secret for peer authentication (secret_file)"),
     "vm": ("fate_rdma.cli.vm", "run a command in a qemu VM with a Soft-RoCE (rxe0) RDMA device: real verbs, no NIC"),
 }
 

@@ -24,6 +24,9 @@ SITE_HEADER = """\
 #   provider:    auto (pyverbs if an RDMA device exists, else soft = verbs emulated over TCP) | soft | pyverbs
 #   device:      RDMA device name (e.g. mlx5_0), or null for the first one
 #   flow_address: host:port of this site's fate-flow API, only where tasks cannot tell (they normally can)
+#   secret_file: the federation's shared secret (the same at every site; `fate-rdma secret FILE`, mode 600):
+#                endpoints prove it to each other before anything is allocated; required unless every
+#                endpoint is on loopback
 """
 
 
@@ -50,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--provider", choices=["auto", "soft", "pyverbs"], help="verbs provider (default auto)")
     s.add_argument("--device", help="RDMA device name (pyverbs), e.g. mlx5_0")
     s.add_argument("--flow-address", help="host:port of this site's fate-flow API (only where tasks cannot tell)")
+    s.add_argument("--secret-file", help="the federation's shared secret (same file at every site; make one with "
+                                         "`fate-rdma secret FILE`); needed unless all endpoints are on loopback")
     r = sub.add_parser("remove", parents=[common], help="remove the hook and the site file",
                        description="Undo `flow setup`: remove the start-up hook (also used by `fate-rdma launch`) "
                                    "from this Python and the site file.")
@@ -154,10 +159,10 @@ def run(args: argparse.Namespace) -> int:
         new = dict(site)
         if args.endpoint:
             new["endpoints"] = {**(site.get("endpoints") or {}), **endpoints}
-        for key in ("listen_host", "provider", "device", "flow_address"):
+        for key in ("listen_host", "provider", "device", "flow_address", "secret_file"):
             val = getattr(args, key)
             if val is not None:
-                new[key] = val
+                new[key] = os.path.abspath(val) if key == "secret_file" else val
         new.setdefault("provider", "auto")
         problems += _check_site(new, site_path)
         if problems and not args.dry_run:

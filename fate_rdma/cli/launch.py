@@ -1,11 +1,19 @@
 """`fate-rdma launch --conf FILE SCRIPT [ARGS...]`: run a FATE launcher script (e.g. one using
-fate.arch.launchers.multiprocess_launcher) with fate-rdma switched on for every party process."""
+fate.arch.launchers.multiprocess_launcher) with fate-rdma switched on for every party process.
+
+When every party runs on this machine and the section names no secret_file, the launcher makes a
+fresh secret for the job (in a private temporary folder, removed afterwards), so the parties
+authenticate each other; parties on other hosts need the site's secret_file."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
+import shutil
 import sys
+import tempfile
+from typing import Any, Dict, Tuple
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,17 +29,46 @@ def run(args: argparse.Namespace) -> int:
     if section is None:
         print(f"fate-rdma launch: {args.conf} has no fate_rdma section", file=sys.stderr)
         return 2
-    RdmaFederationConfig.from_section(section)  # fail early on a bad configuration
+    cfg = RdmaFederationConfig.from_section(section)  # fail early on a bad configuration
     from ..federation.hook import pth_path
 
     if not os.path.exists(pth_path()):
         print("fate-rdma launch: the start-up hook is not installed in this environment, so FATE's party "
               "processes would not see fate-rdma; run `fate-rdma hook install` first", file=sys.stderr)
         return 2
-    os.environ["FATE_RDMA_CONF"] = os.path.abspath(args.conf)  # reaches the spawned party processes
+    conf, secret_dir = os.path.abspath(args.conf), None
+    if cfg.channel.secret_file is None and cfg.channel.auth != "none":
+        if not all(_loopback(a.rpartition(":")[0]) for a in cfg.endpoints.values()):
+            print("fate-rdma launch: parties on other hosts need the federation's shared secret: set secret_file "
+                  "in the fate_rdma section (the same secret at every site; `fate-rdma secret FILE` makes one)",
+                  file=sys.stderr)
+            return 2
+        conf, secret_dir = _with_job_secret(section)  # every party of this job on this machine: a fresh secret
+    os.environ["FATE_RDMA_CONF"] = conf  # reaches the spawned party processes
     from ..federation.hook import install_import_hook
 
     install_import_hook()
     sys.argv = [args.script] + list(args.script_args)
-    runpy.run_path(args.script, run_name="__main__")
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    finally:
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _with_job_secret(section: Dict[str, Any]) -> Tuple[str, str]:
+    """A private folder with a fresh per-job secret and the section pointing at it: (conf path, folder)."""
+    from ..channel.auth import write_secret
+
+    folder = tempfile.mkdtemp(prefix="fate-rdma-job-")  # mode 700
+    secret = os.path.join(folder, "secret")
+    write_secret(secret)
+    conf = os.path.join(folder, "fate_rdma.json")
+    with open(conf, "w") as f:
+        json.dump({"fate_rdma": dict(section, secret_file=secret, auth="hmac")}, f)
+    return conf, folder

@@ -35,7 +35,7 @@ from ..errors import ConfigError, FateRdmaError
 log = logging.getLogger("fate_rdma.federation")
 
 SITE_ENV = "FATE_RDMA_SITE"
-SITE_ONLY_KEYS = ("endpoints", "listen_host", "provider", "device", "flow_address")
+SITE_ONLY_KEYS = ("endpoints", "listen_host", "provider", "device", "flow_address", "secret_file", "auth")
 #: the job query is local (this party's own fate-flow); 10 s covers a busy server on a small machine
 FLOW_QUERY_TIMEOUT_S = 10.0
 SETUP_HINT = "fate-rdma flow setup --endpoint ROLE:PARTY_ID=HOST:PORT ... (once per site)"

@@ -70,7 +70,9 @@ class RdmaFederation:
         self.local = tuple(fed.local_party)
         me = cfg.address_of(self.local)
         host, _, port = me.rpartition(":")
-        self.endpoint = Endpoint(cfg.channel, cfg.listen_host or host, int(port), name=me)
+        # only the job's parties may connect, each proving its own endpoint address (with a secret)
+        self.endpoint = Endpoint(cfg.channel, cfg.listen_host or host, int(port), name=me,
+                                 allowed_peers=set(cfg.endpoints.values()) - {me})
         self._orig_push: Callable[..., Any] = fed._push_bytes
         self._orig_pull: Callable[..., Any] = fed._pull_bytes
         self._orig_destroy: Callable[..., Any] = fed._destroy

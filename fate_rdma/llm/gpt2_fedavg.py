@@ -80,7 +80,8 @@ def _rdma_record(ctx) -> dict:
     rdma = getattr(ctx.federation, "fate_rdma", None)
     if rdma is None:
         return {"transport": "fate", "label": "FATE federation", "rdma": None}
-    return {"transport": "fate-rdma", "label": rdma.endpoint.label, "rdma": dict(rdma.stats)}
+    return {"transport": "fate-rdma", "label": rdma.endpoint.label, "rdma": dict(rdma.stats),
+            "authenticated": rdma.endpoint.secret is not None}
 
 
 def run(ctx) -> None:

@@ -9,6 +9,7 @@ Sender states (transitions in `FedRdmaSender.TRANSITIONS`; anything else is a Lo
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 from typing import Dict, List, Optional, Set
@@ -194,6 +195,22 @@ class _Partial:
     last_progress: float
     meta_len: int
     got_bytes: int = 0
+    #: byte ranges received so far, sorted by offset: chunks must tile the payload exactly once
+    starts: List[int] = dataclasses.field(default_factory=list)
+    ends: List[int] = dataclasses.field(default_factory=list)
+
+    def place(self, offset: int, length: int) -> bool:
+        """Record [offset, offset+length); False if it overlaps a range already received."""
+        if length == 0:
+            return True
+        i = bisect.bisect_right(self.starts, offset)
+        if i > 0 and self.ends[i - 1] > offset:
+            return False
+        if i < len(self.starts) and self.starts[i] < offset + length:
+            return False
+        self.starts.insert(i, offset)
+        self.ends.insert(i, offset + length)
+        return True
 
 
 class FedRdmaReceiver:
@@ -219,9 +236,12 @@ class FedRdmaReceiver:
                                       f"{len(data)} arrived")
         if hdr.transfer_id in self._finished or hdr.transfer_id in self._cancelled:
             return None  # a late duplicate of a finished or cancelled transfer
-        if self.verify_crc and hdr.has_crc and crc32c.crc32c(data) != hdr.crc:
-            self._partial.pop(hdr.transfer_id, None)
-            self._cancelled.add(hdr.transfer_id)
+        if self.verify_crc and not hdr.has_crc:  # integrity is the receiver's decision, not the sender's
+            self._drop(hdr.transfer_id)
+            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: no checksum, and this receiver "
+                                      f"requires crc32c on every chunk")
+        if self.verify_crc and crc32c.crc32c(data) != hdr.crc:
+            self._drop(hdr.transfer_id)
             raise IntegrityError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: crc32c mismatch", hdr.transfer_id)
         p = self._partial.get(hdr.transfer_id)
         first = p is None
@@ -236,14 +256,26 @@ class FedRdmaReceiver:
                                       f"({hdr.total}/{hdr.nchunks} vs {p.total}/{p.nchunks})")
         if hdr.seq in p.got:
             return None
+        if not p.place(hdr.offset, hdr.length):
+            self._drop(hdr.transfer_id)
+            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: bytes [{hdr.offset}, "
+                                      f"{hdr.offset + hdr.length}) overlap a chunk already received")
         p.got.add(hdr.seq)
         p.got_bytes += hdr.length
         p.last_progress = now
         complete = len(p.got) == p.nchunks
         if complete:
             del self._partial[hdr.transfer_id]
+            if p.got_bytes != p.total:  # no overlaps, so the chunks cover exactly got_bytes of the payload
+                self._cancelled.add(hdr.transfer_id)
+                raise RemoteProtocolError(f"transfer {hdr.transfer_id}: its {p.nchunks} chunks cover {p.got_bytes} of "
+                                          f"{p.total} bytes (a gap): not delivered")
             self._finished.add(hdr.transfer_id)
         return Placed(hdr.transfer_id, hdr.seq, hdr.offset, first, complete)
+
+    def _drop(self, transfer_id: int) -> None:
+        self._partial.pop(transfer_id, None)
+        self._cancelled.add(transfer_id)
 
     def received_bytes(self, transfer_id: int) -> int:
         """Payload bytes of a transfer in progress that have arrived so far (0 when none is)."""

@@ -196,6 +196,9 @@ class FedRdmaEReceiver:
         hdr = decode_header(bytes(slot_header[:HEADER.size]))
         if hdr.kind is not HeaderKind.SLOT:
             raise RemoteProtocolError(f"slot {slot}: expected a SLOT header, got {hdr.kind.name}")
+        if self.verify_crc and not hdr.has_crc:  # integrity is the receiver's decision, not the sender's
+            raise RemoteProtocolError(f"slot {slot}: transfer {hdr.transfer_id} carries no checksum, and this receiver "
+                                      f"requires crc32c")
         if hdr.total > self.slot_payload_bytes or hdr.meta_len > self.meta_cap:
             raise RemoteProtocolError(f"slot {slot}: header claims {hdr.total} payload / {hdr.meta_len} metadata "
                                       f"bytes; the slot holds {self.slot_payload_bytes} / {self.meta_cap}")
@@ -207,7 +210,7 @@ class FedRdmaEReceiver:
         the slot is freed and IntegrityError raised. (Computing them is I/O-free but parallel, so
         the caller does it.)"""
         h = msg.header
-        if self.verify_crc and h.has_crc and (payload_crc != h.crc or meta_crc != h.meta_crc):
+        if self.verify_crc and (payload_crc != h.crc or meta_crc != h.meta_crc):
             self._held.discard(msg.slot)
             raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): checksum mismatch", h.transfer_id)
 

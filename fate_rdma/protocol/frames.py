@@ -30,7 +30,8 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
     reason_len   u16  bytes of reason text after the frame
     transfer_id  u64
     value        u64  ACK: chunk seq; CREDIT: slot; ERROR: ErrorCode; PROBE/PROBE_REPLY: nonce
-    aux          u64  ACK: the staging buffer the chunk used (its credit goes back); else 0
+    aux          u64  ACK: the staging buffer the chunk used (its credit goes back); CREDIT: the rkey
+                      under which the slot is granted again; else 0
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class HeaderKind(enum.IntEnum):
 
 class CtrlKind(enum.IntEnum):
     ACK = 1  # FedRDMA: chunk `value` of `transfer_id` is placed
-    CREDIT = 2  # FedRDMA-E: receive slot `value` is free again
+    CREDIT = 2  # FedRDMA-E: receive slot `value` is free again, writable under rkey `aux`
     CANCEL = 3  # either side: abandon `transfer_id`
     ERROR = 4  # receiver -> sender: `transfer_id` failed with code `value` (ErrorCode), reason follows
     PROBE = 5  # RTT probe, echoed as PROBE_REPLY with the same nonce in `value`

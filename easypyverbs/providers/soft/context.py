@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
 import secrets
 import socket
@@ -46,6 +47,7 @@ class SoftContext(Context):
         self.rnr_timeout_s = rnr_timeout_s
         self.retry_timeout_s = retry_timeout_s
         self._lock = threading.Lock()
+        self._hellos = threading.BoundedSemaphore(64)  # data connections being attached at once
         self._mrs: Dict[int, "SoftMR"] = {}
         self._qps: Dict[int, QP] = {}
         self._next_qpn = 0x100 + secrets.randbelow(0x1000)
@@ -93,26 +95,37 @@ class SoftContext(Context):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # listener closed
+            if not self._hellos.acquire(blocking=False):  # bounded: no thread per stranger
+                sock.close()
+                continue
             threading.Thread(target=self._handshake, args=(sock,), name="soft-nic-hello", daemon=True).start()
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(5.0)
             raw = wire.recv_exactly(sock, wire.HELLO.size)
-            magic, version, kind, _, src_qpn, dst_qpn, psn, fwd_delay_us = wire.HELLO.unpack(raw)
+            magic, version, kind, _, src_qpn, dst_qpn, psn, fwd_delay_us, token = wire.HELLO.unpack(raw)
             if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 1:
                 raise EasyVerbsError("not a soft-verbs HELLO")
             with self._lock:
                 qp = self._qps.get(dst_qpn)
             status = wire.HELLO_OK if qp is not None else wire.HELLO_NO_QP
-            if qp is not None and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6):
+            if qp is not None and not hmac.compare_digest(token, qp.token):  # type: ignore[attr-defined]
+                status = wire.HELLO_BAD_TOKEN
+            elif qp is not None and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6):  # type: ignore[attr-defined]
                 status = wire.HELLO_BUSY
             sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status))
             if status != wire.HELLO_OK:
                 sock.close()
-        except (OSError, EasyVerbsError) as exc:
+            if status != wire.HELLO_OK:
+                log.warning("soft NIC %s: refused to attach a peer to QP %d: %s", self.nic_address, dst_qpn,
+                            {wire.HELLO_NO_QP: "no such QP", wire.HELLO_BUSY: "already connected",
+                             wire.HELLO_BAD_TOKEN: "wrong attach token"}[status])
+        except (OSError, EasyVerbsError, wire.PeerClosed) as exc:
             log.warning("soft NIC %s: rejected a connection: %s", self.nic_address, exc)
             sock.close()
+        finally:
+            self._hellos.release()
 
     # -- verbs ----------------------------------------------------------------------------------
     def _alloc_pd(self) -> PD:

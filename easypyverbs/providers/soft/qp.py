@@ -43,6 +43,7 @@ class SoftQP(QP):
         super().__init__(pd, send_cq, recv_cq, cap)
         self.qpn = self.ctx.add_qp(self)  # type: ignore[attr-defined]
         self.psn = secrets.randbelow(PSN_MASK + 1)
+        self.token = secrets.token_bytes(wire.TOKEN_BYTES)  # handed out in QPInfo only
         self._next_psn = self.psn
         self._st = QPState.INIT
         self._err_seen = False  # set before an error completion is pushed; the flush follows
@@ -63,7 +64,8 @@ class SoftQP(QP):
     # -- connection -----------------------------------------------------------------------------
     def _info(self) -> QPInfo:
         ctx = self.ctx
-        return QPInfo("soft", self.qpn, self.psn, ctx.nic_address, 0, ctx.link_model.mtu, ctx.max_msg_bytes)  # type: ignore[attr-defined]
+        return QPInfo("soft", self.qpn, self.psn, ctx.nic_address, 0, ctx.link_model.mtu, ctx.max_msg_bytes,  # type: ignore[attr-defined]
+                      token=self.token.hex())
 
     def _state(self) -> QPState:
         # an error completion is visible only once the QP reads ERR, as on a real device (rxe, NICs)
@@ -85,15 +87,17 @@ class SoftQP(QP):
             raise EasyVerbsError(f"soft QP {self.qpn}: cannot reach peer NIC {remote.gid}: {exc}", exc.errno) from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            token = bytes.fromhex(remote.token).ljust(wire.TOKEN_BYTES, b"\0")[:wire.TOKEN_BYTES]
             sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, self.qpn, remote.qpn, self.psn,
-                                         int(link.delay_s * 1e6)))
+                                         int(link.delay_s * 1e6), token))
             magic, version, kind, status = wire.HELLO_REPLY.unpack(wire.recv_exactly(sock, wire.HELLO_REPLY.size))
         except (OSError, wire.PeerClosed) as exc:
             sock.close()
             raise EasyVerbsError(f"soft QP {self.qpn}: handshake with {remote.gid} failed: {exc}") from exc
         if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 2 or status != wire.HELLO_OK:
             sock.close()
-            why = {wire.HELLO_NO_QP: "no such QP", wire.HELLO_BUSY: "QP already connected"}.get(status, "bad reply")
+            why = {wire.HELLO_NO_QP: "no such QP", wire.HELLO_BUSY: "QP already connected",
+                   wire.HELLO_BAD_TOKEN: "wrong attach token"}.get(status, "bad reply")
             raise EasyVerbsError(f"soft QP {self.qpn}: peer {remote.gid} refused QP {remote.qpn}: {why}")
         wire.set_kernel_timeouts(sock, self.ctx.retry_timeout_s)  # type: ignore[attr-defined]
         with self._cv:

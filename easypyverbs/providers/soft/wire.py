@@ -2,10 +2,13 @@
 
 Every frame starts with a 2-byte magic and a version, so garbage is detected at once.
 
-HELLO (requester -> responder NIC), `!4sBBHIIIQ`, 28 bytes:
+HELLO (requester -> responder NIC), `!4sBBHIIIQ16s`, 44 bytes:
     magic b"SVRB", version u8, kind u8 (=1), reserved u16, src_qpn u32, dst_qpn u32, first psn u32,
-    fwd_delay_us u64 (the requester's link model: one-way delay the responder adds)
-HELLO_REPLY (responder -> requester), `!4sBBH`, 8 bytes: magic, version, kind (=2), status u16 (0 ok)
+    fwd_delay_us u64 (the requester's link model: one-way delay the responder adds),
+    token 16 bytes (the responder QP's attach token, from its QPInfo: only a peer that received the
+    QPInfo over the bootstrap can attach to the QP, not whoever scans QP numbers first)
+HELLO_REPLY (responder -> requester), `!4sBBH`, 8 bytes: magic, version, kind (=2), status u16 (0 ok,
+    1 no such QP, 2 QP already connected, 3 wrong token)
 
 REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
     magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
@@ -22,7 +25,7 @@ import struct
 from typing import List, Sequence
 
 VERSION = 1
-HELLO = struct.Struct("!4sBBHIIIQ")
+HELLO = struct.Struct("!4sBBHIIIQ16s")
 HELLO_REPLY = struct.Struct("!4sBBH")
 HELLO_MAGIC = b"SVRB"
 REQ = struct.Struct("!HBBIQQIIQ")
@@ -33,7 +36,8 @@ RESP_MAGIC = 0x5341
 OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
 OP_HAS_IMM = 0x80
 ACK, NAK, READ_RESP = 1, 2, 3
-HELLO_OK, HELLO_NO_QP, HELLO_BUSY = 0, 1, 2
+HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN = 0, 1, 2, 3
+TOKEN_BYTES = 16
 
 
 def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:

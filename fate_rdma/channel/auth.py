@@ -1,0 +1,150 @@
+"""Peer authentication, first thing on a bootstrap connection: nothing is allocated for a peer
+before it has proved who it is.
+
+Mutual challenge-response over the federation's shared secret (HMAC-SHA256):
+
+    1. both sides send  {"auth": "hmac-sha256" | "none", "v": 1, "name": <own name>, "nonce": <32 random bytes, hex>}
+    2. both sides send  {"proof": HMAC(secret, transcript(own role))}
+    3. each side checks the other's proof in constant time
+
+The transcript binds a protocol label, the prover's role (dialer or acceptor), both names and both
+nonces: a proof cannot be replayed (both nonces are fresh for this connection), reflected (the role
+differs) or moved to another name. A peer is known by the name it proved, never by its address.
+Both sides derive a session key from the secret and the transcript; the soft provider's data
+connections and (optionally) message MACs are bound to it.
+
+With auth "none" (loopback endpoints only) step 1 is still exchanged, so a mismatch between the
+two sides' settings is a clear error rather than a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+from typing import Any, Callable, Mapping, Optional
+
+import easypyverbs as ev
+
+from ..errors import AuthenticationError, ConfigError, RemoteProtocolError
+
+log = logging.getLogger("fate_rdma.channel")
+
+LABEL = b"fate-rdma auth v1"
+NONCE_BYTES = 32
+MIN_SECRET_BYTES = 16
+MAX_NAME = 256
+
+
+def load_secret(path: str) -> bytes:
+    """The federation's secret from `path`: hex text (64 digits from `fate-rdma secret`) or raw bytes,
+    at least 16 bytes. A file other users can read is refused."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError as exc:
+        raise ConfigError(f"fate-rdma: cannot read secret_file {path}: {exc}") from exc
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"fate-rdma: secret_file {path} is readable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                          f"chmod 600 it")
+    text = raw.strip()
+    try:
+        key = bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = text
+    if len(key) < MIN_SECRET_BYTES:
+        raise ConfigError(f"fate-rdma: secret_file {path} holds {len(key)} bytes; at least {MIN_SECRET_BYTES} are needed")
+    return key
+
+
+def write_secret(path: str) -> None:
+    """A fresh 256-bit secret, hex, readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.chmod(path, 0o600)
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who the peer is (the name it proved, or claimed when auth is off) and the session key."""
+
+    name: str
+    authenticated: bool
+    session_key: bytes = b""
+
+
+def _transcript(role: str, me: str, peer: str, my_nonce: bytes, peer_nonce: bytes) -> bytes:
+    parts = [LABEL, role.encode(), me.encode(), peer.encode(), my_nonce, peer_nonce]
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def _first(obj: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(f"auth message from {where} is not an object")
+    kind = obj.get("auth")
+    if kind not in ("hmac-sha256", "none") or obj.get("v") != 1:
+        raise RemoteProtocolError(f"peer at {where} does not speak fate-rdma auth v1 (auth={kind!r}, v={obj.get('v')!r})")
+    name = obj.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
+        raise RemoteProtocolError(f"auth message from {where}: field 'name' must be a string of 1-{MAX_NAME} characters")
+    nonce = obj.get("nonce")
+    try:
+        ok = isinstance(nonce, str) and len(bytes.fromhex(nonce)) == NONCE_BYTES
+    except ValueError:
+        ok = False
+    if not ok:
+        raise RemoteProtocolError(f"auth message from {where}: field 'nonce' must be {NONCE_BYTES} bytes of hex")
+    return obj
+
+
+def authenticate(boot: ev.BootstrapConn, me: str, secret: Optional[bytes], dialer: bool, timeout_s: float,
+                 accept: Optional[Callable[[str], bool]] = None) -> Identity:
+    """Run the exchange on `boot`; the peer's Identity, or AuthenticationError / RemoteProtocolError.
+    `accept` (acceptor side): whether a peer that proved the secret may connect under its name."""
+    where = f"{boot.peer[0]}:{boot.peer[1]}"
+    my_nonce = secrets.token_bytes(NONCE_BYTES)
+    mine = {"auth": "hmac-sha256" if secret else "none", "v": 1, "name": me, "nonce": my_nonce.hex()}
+    theirs = _first(boot.exchange(mine, timeout_s), where)
+    peer, peer_nonce = theirs["name"], bytes.fromhex(theirs["nonce"])
+    if (theirs["auth"] == "none") != (secret is None):
+        raise AuthenticationError(
+            f"peer {peer!r} at {where} {'does not authenticate (auth: none)' if secret else 'requires authentication'}, "
+            f"this side {'requires it (secret_file set)' if secret else 'has auth: none'}: give both sides the "
+            f"federation's secret_file")
+    if secret is None:
+        return Identity(peer, False)
+    role, peer_role = ("dialer", "acceptor") if dialer else ("acceptor", "dialer")
+    proof = hmac.new(secret, _transcript(role, me, peer, my_nonce, peer_nonce), hashlib.sha256).hexdigest()
+    expect = hmac.new(secret, _transcript(peer_role, peer, me, peer_nonce, my_nonce), hashlib.sha256).hexdigest()
+
+    def check(got: Any) -> None:
+        theirs_proof = got.get("proof") if isinstance(got, dict) else None
+        if not isinstance(theirs_proof, str) or not hmac.compare_digest(theirs_proof, expect):
+            raise AuthenticationError(f"peer at {where} claiming to be {peer!r} failed to prove the federation's secret")
+
+    # the dialer proves first; the acceptor, which faces whoever connects, answers only a valid proof
+    if dialer:
+        boot.send({"proof": proof}, timeout_s)
+        got = boot.recv(timeout_s)
+        if isinstance(got, dict) and "refused" in got:
+            raise AuthenticationError(f"peer {peer!r} at {where} refused this side's proof: it holds another "
+                                      f"secret, or does not accept the name {me!r}")
+        check(got)
+    else:
+        try:
+            check(boot.recv(timeout_s))
+            if accept is not None and not accept(peer):
+                raise AuthenticationError(f"peer at {where} proved the secret as {peer!r}, which is not a party of "
+                                          f"this endpoint's federation")
+        except AuthenticationError:
+            boot.send({"refused": "authentication failed"}, timeout_s)
+            raise
+        boot.send({"proof": proof}, timeout_s)
+    nonces = sorted([my_nonce, peer_nonce])
+    session = hmac.new(secret, b"session" + _transcript("", *sorted([me, peer]), *nonces), hashlib.sha256).digest()
+    return Identity(peer, True, session)

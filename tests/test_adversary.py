@@ -1,0 +1,253 @@
+"""Attacks on a real endpoint in its own process, from another process that can reach its address
+and nothing more. Each test asserts that the attack fails with the documented error, that the
+victim's memory and threads stay bounded (read from /proc through the victim's own report), that
+nothing reaches the application, and that a legitimate party keeps exchanging verified payloads.
+Figures (memory, threads) are printed with -s."""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import struct
+import time
+
+import crc32c
+import pytest
+
+from fate_rdma import errors as E
+from fate_rdma.bench.driver import PeerProcess
+from fate_rdma.channel import Endpoint
+from fate_rdma.channel.auth import authenticate, write_secret
+from fate_rdma.config import ChannelConfig
+
+import easypyverbs as ev
+
+CHUNK = 64 * 1024
+MODES = ["fedrdma", "fedrdma-e"]
+
+
+@pytest.fixture
+def secret(tmp_path):
+    path = str(tmp_path / "federation.secret")
+    write_secret(path)
+    return path
+
+
+@pytest.fixture
+def other_secret(tmp_path):
+    path = str(tmp_path / "another.secret")
+    write_secret(path)
+    return path
+
+
+def cfg(mode: str, secret_file=None, **kw) -> ChannelConfig:
+    base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=1 << 20, provider="soft", window=4, max_window=8,
+                connect_timeout_s=3, no_progress_timeout_s=10, secret_file=secret_file, max_pending_handshakes=8)
+    base.update(kw)
+    return ChannelConfig(**base)
+
+
+class Victim:
+    """An endpoint in another process that records what it receives and reports its resources."""
+
+    def __init__(self, config: ChannelConfig, allowed=("client-a",)) -> None:
+        self.proc = PeerProcess(module="fate_rdma.bench.transfer_peer")
+        r = self.proc.cmd({"cmd": "endpoint", "config": dict(config.__dict__), "record": True,
+                           "allowed_peers": None if allowed is None else list(allowed)})
+        self.address = r["address"]
+        self.count = 0
+
+    def stats(self):
+        return self.proc.cmd({"cmd": "stats"})
+
+    def expect(self, n: int = 1):
+        self.count += n
+        r = self.proc.cmd({"cmd": "expect", "count": self.count, "timeout_s": 30})
+        assert r["ok"], r
+        return r["records"][-n:]
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def legit_round_trip(victim: Victim, mode: str, secret: str, nbytes: int = 3 * CHUNK + 5) -> None:
+    """The real party still gets through, verified, under its own name."""
+    data = os.urandom(nbytes)
+    with Endpoint(cfg(mode, secret), name="client-a") as ep:
+        ep.send(victim.address, data, {"who": "client-a"}).result(30)
+    (rec,) = victim.expect()
+    assert rec["peer"] == "client-a" and rec["crc32c"] == crc32c.crc32c(data) and rec["nbytes"] == nbytes
+
+
+def test_stranger_cannot_pose_as_a_party(mode, secret, other_secret):
+    victim = Victim(cfg(mode, secret))
+    try:
+        for stranger_secret, match in ((None, "requires authentication|does not authenticate"),
+                                       (other_secret, "refused this side's proof")):
+            with Endpoint(cfg(mode, stranger_secret), name="client-a") as ep:  # claims the real party's name
+                with pytest.raises(E.AuthenticationError, match=match):
+                    ep.send(victim.address, b"poisoned weights" * 1000)
+        with Endpoint(cfg(mode, secret), name="client-z") as ep:  # holds the secret, but is not a party here
+            with pytest.raises(E.AuthenticationError, match="refused"):
+                ep.send(victim.address, b"x" * 100)
+        assert victim.stats()["count"] == 0  # nothing reached the application
+        assert victim.stats()["peers"] == []
+        legit_round_trip(victim, mode, secret)
+    finally:
+        victim.close()
+
+
+def test_party_never_sends_to_an_impostor(mode, secret, other_secret):
+    """A process listening where a party should be gets no weights: the sender checks its proof."""
+    impostor = Victim(cfg(mode, other_secret), allowed=None)
+    victim = Victim(cfg(mode, secret))
+    try:
+        with pytest.raises(RuntimeError, match="AuthenticationError.*refused this side's proof"):
+            victim.proc.cmd({"cmd": "send", "address": impostor.address, "hex": (b"weights" * 100).hex()})
+        assert impostor.stats()["count"] == 0
+        legit_round_trip(victim, mode, secret)
+    finally:
+        victim.close()
+        impostor.close()
+
+
+def _auth_hello(name: str) -> bytes:
+    body = ('{"auth":"hmac-sha256","v":1,"name":"%s","nonce":"%s"}' % (name, secrets.token_hex(32))).encode()
+    return struct.pack("!4sBBHI", b"EPVB", 1, 1, 0, len(body)) + body
+
+
+def test_unauthenticated_connections_cost_nothing(secret):
+    """Many strangers at once (auth opening then silence, garbage, HTTP, a huge announced length):
+    the victim allocates nothing for them, its threads stay bounded, and the party gets through."""
+    victim = Victim(cfg("fedrdma-e", secret, slot_bytes=64 << 20))
+    socks = []
+    try:
+        before = victim.stats()
+        host, _, port = victim.address.rpartition(":")
+        openers = [_auth_hello("client-a"), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", os.urandom(64),
+                   struct.pack("!4sBBHI", b"EPVB", 1, 1, 0, 1 << 30)]
+        for i in range(48):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(openers[i % len(openers)])
+            socks.append(s)
+        time.sleep(1.0)
+        during = victim.stats()
+        legit_round_trip(victim, "fedrdma-e", secret)  # while the strangers still hold their sockets
+        after = victim.stats()
+        grew = during["rss_bytes"] - before["rss_bytes"]
+        print(f"\nadversary: 48 strangers: victim RSS +{grew / 2**20:.1f} MiB, threads {before['threads']} -> "
+              f"{during['threads']}, refused {during['refused']}, budget held {during['budget_held_bytes']}")
+        assert during["budget_held_bytes"] == 0 and during["pool_bytes"] == 0  # nothing registered for strangers
+        assert grew < 32 << 20
+        assert during["threads"] <= before["threads"] + 8 + 2  # at most max_pending_handshakes handshake threads
+        assert during["refused"] >= 48 - 8
+        assert after["count"] == 1 and after["pool_bytes"] == 0  # the party's pool went with its connection
+    finally:
+        for s in socks:
+            s.close()
+        victim.close()
+
+
+def test_integrity_is_the_receivers_decision(mode, secret):
+    victim = Victim(cfg(mode, secret))
+    try:
+        with Endpoint(cfg(mode, secret, checksum="none"), name="client-a") as ep:
+            fut = ep.send(victim.address, os.urandom(3 * CHUNK))
+            with pytest.raises(E.RemoteProtocolError, match="no checksum"):
+                fut.result(20)
+        assert victim.stats()["count"] == 0
+        legit_round_trip(victim, mode, secret)
+    finally:
+        victim.close()
+
+
+def test_forged_hello_is_refused_naming_the_field(secret):
+    """A party that holds the secret but sends a malformed hello (zero slots) is refused before any
+    memory is registered for it; the endpoint keeps serving."""
+    victim = Victim(cfg("fedrdma-e", secret))
+    try:
+        host, _, port = victim.address.rpartition(":")
+        boot = ev.connect(host, int(port), timeout_s=5)
+        from fate_rdma.channel.auth import load_secret
+
+        who = authenticate(boot, "client-a", load_secret(secret), dialer=True, timeout_s=5)
+        assert who.authenticated and who.name == victim.address
+        boot.send({"fate_rdma": 1, "name": "client-a", "qps": 1, "staging": None,
+                   "pool": {"slots": 0, "slot_payload_bytes": "lots", "meta_cap": 1}})
+        with pytest.raises(ev.BootstrapError):  # the victim closed the connection
+            boot.recv(timeout_s=5)
+            boot.recv(timeout_s=5)
+        boot.close()
+        assert victim.stats()["budget_held_bytes"] == 0
+        legit_round_trip(victim, "fedrdma-e", secret)
+    finally:
+        victim.close()
+
+
+def test_memory_budget_refuses_before_allocating(secret):
+    # FedRDMA: a transfer larger than the budget is refused at its first chunk
+    victim = Victim(cfg("fedrdma", secret, memory_budget_bytes=8 << 20))
+    try:
+        with Endpoint(cfg("fedrdma", secret), name="client-a") as ep:
+            with pytest.raises(E.PayloadTooLarge, match="memory budget"):
+                ep.send(victim.address, bytes(16 << 20)).result(30)
+            assert victim.stats()["budget_held_bytes"] < 2 << 20  # only the staging buffers
+        legit_round_trip(victim, "fedrdma", secret)
+    finally:
+        victim.close()
+    # FedRDMA-E: a pool that does not fit the budget is never registered: the connection is refused
+    victim = Victim(cfg("fedrdma-e", secret, memory_budget_bytes=8 << 20, slot_bytes=16 << 20))
+    try:
+        with Endpoint(cfg("fedrdma-e", secret, slot_bytes=16 << 20), name="client-a") as ep:
+            with pytest.raises(E.FateRdmaError):
+                ep.send(victim.address, b"x").result(10)
+        st = victim.stats()
+        assert st["budget_held_bytes"] == 0 and st["pool_bytes"] == 0
+    finally:
+        victim.close()
+
+
+def test_no_secret_means_loopback_only(tmp_path):
+    with pytest.raises(E.ConfigError, match="loopback"):
+        Endpoint(cfg("fedrdma", None), host="0.0.0.0")
+    world = tmp_path / "world.secret"
+    write_secret(str(world))
+    os.chmod(world, 0o644)
+    with pytest.raises(E.ConfigError, match="readable by other users"):
+        Endpoint(cfg("fedrdma", str(world)))
+
+
+def test_held_slot_is_not_writable_by_the_sender(secret):
+    """A FedRDMA-E slot is the peer's to write only while granted: once its transfer arrived, a WRITE
+    with the old rkey fails with a remote access error (as on a NIC) and the message the application
+    holds does not change; the next grant comes with a new rkey in the CREDIT."""
+    c = cfg("fedrdma-e", secret, pool_slots=2)
+    with Endpoint(c, name="victim") as victim, Endpoint(c, name="client-a") as client:
+        victim_addr = victim.address
+        victim.name = victim_addr  # dialers check that the endpoint proves the address they dialed
+        conn = client.connect(victim_addr)
+        granted = list(conn.slot_sender.slot_mrs)
+        data = os.urandom(3 * CHUNK)
+        client.send(victim_addr, data).result(20)
+        msg = victim.recv(timeout=20)
+        assert bytes(msg.view) == data
+        qp = conn.rcs[0].qp
+        junk = client.pd.reg_mr(bytearray(b"\xee" * 4096), ev.Access.LOCAL_WRITE)
+        try:
+            qp.post_write(junk.sge(0, 4096), granted[0], remote_offset=64 + 65536, wr_id=999)
+            deadline = time.monotonic() + 10
+            while conn.dead is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert conn.dead is not None and "REM_ACCESS_ERR" in str(conn.dead), conn.dead
+            assert bytes(msg.view) == data  # the held message did not change
+        finally:
+            junk.close()
+        msg.release()
+        # a fresh connection (the old one died with its QP) gets fresh grants and works
+        client.send(victim_addr, b"after").result(20)
+        assert bytes(victim.recv(timeout=20).detach()) == b"after"
