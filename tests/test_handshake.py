@@ -87,3 +87,27 @@ def test_fuzz_only_protocol_errors_escape(obj):
         Hello.from_wire(obj, "peer")
     except E.RemoteProtocolError:
         pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["auth", "v", "name", "nonce", "x"]), json_values, max_size=5))
+def test_fuzz_auth_opening_only_protocol_errors_escape(obj):
+    from fate_rdma.channel.auth import _first
+
+    try:
+        _first(obj, "peer")
+    except E.RemoteProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["provider", "qpn", "psn", "gid", "lid", "mtu", "max_msg_bytes", "token",
+                                        "addr", "rkey", "length"]), json_values, max_size=9))
+def test_fuzz_qp_and_mr_descriptors_only_bootstrap_errors_escape(obj):
+    import easypyverbs as ev
+
+    for cls in (ev.QPInfo, ev.RemoteMR):
+        try:
+            cls.from_dict(obj)
+        except ev.BootstrapError:
+            pass
