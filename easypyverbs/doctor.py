@@ -19,7 +19,8 @@ def report() -> Dict[str, Any]:
                     "enums_module": _enums_name() if ok else ""},
         "devices": [],
         "soft": {"available": True, "label": SOFT_LABEL, "emulated": True,
-                 "link_model_env": os.environ.get("EASYPYVERBS_SOFT_LINK", "")},
+                 "link_model_env": os.environ.get("EASYPYVERBS_SOFT_LINK", ""),
+                 "same_host_path": _same_host()},
     }
     for name in devices:
         try:
@@ -76,8 +77,20 @@ def render(rep: Dict[str, Any]) -> str:
     lines.append(f"  soft        available: {s['label']} -- an emulation, not RDMA; figures from it are not RDMA figures")
     if s["link_model_env"]:
         lines.append(f"              link model from EASYPYVERBS_SOFT_LINK: {s['link_model_env']}")
+    sh = s["same_host_path"]
+    lines.append(f"              same-host path (process_vm_readv) to peers on this machine: "
+                 f"{'on' if sh['on'] else 'off'} ({sh['why']}); EASYPYVERBS_SOFT_SAME_HOST=off forces TCP")
     lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
     return "\n".join(lines)
+
+
+def _same_host() -> Dict[str, Any]:
+    from .providers.soft import samehost
+
+    if not samehost.enabled_by_env():
+        return {"on": False, "why": "switched off by EASYPYVERBS_SOFT_SAME_HOST"}
+    ok, why = samehost.self_test()
+    return {"on": ok, "why": why}
 
 
 def main(argv: List[str]) -> int:

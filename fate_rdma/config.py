@@ -52,6 +52,9 @@ class ChannelConfig:
     device: Optional[str] = None
     #: soft provider link model, e.g. "rate=10gbit,rtt=20ms" (emulation only)
     soft_link: Optional[str] = None
+    #: soft provider: to a peer on this machine, copy payloads straight from the sender's memory
+    #: (process_vm_readv) instead of through loopback TCP; false = TCP, as between hosts
+    same_host: bool = True
     #: progress bar for long transfers (CLI); off in library use
     progress: bool = False
     #: peer authentication: "auto" = HMAC-SHA256 challenge-response when secret_file is set, else none;

@@ -128,7 +128,7 @@ def test_protocol_violation_on_a_qp_errors_it():
         qp.post_recv([], wr_id=5)
         host, _, port = ctx.nic_address.rpartition(":")
         s = socket.create_connection((host, int(port)), timeout=5)
-        s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, qp.token))
+        s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, qp.token, 0, 0, bytes(16)))
         assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == wire.HELLO_OK
         s.sendall(b"\xde\xad" * 20)  # not a request frame
         (wc,) = cq.wait(5)
@@ -149,10 +149,10 @@ def test_soft_qp_cannot_be_attached_without_its_token():
         host, _, port = ctx.nic_address.rpartition(":")
         for guess in (bytes(16), b"\x01" * 16):
             with socket.create_connection((host, int(port)), timeout=5) as s:
-                s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, guess))
+                s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, guess, 0, 0, bytes(16)))
                 assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == wire.HELLO_BAD_TOKEN
         with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, qp.token))
+            s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, qp.token, 0, 0, bytes(16)))
             assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == wire.HELLO_OK
         assert ev.QPInfo.from_dict(qp.info().to_dict()).token == qp.token.hex()
     finally:

@@ -1,5 +1,10 @@
 """The channel across two processes, in both modes: sizes, limits, integrity, cancellation, peer death,
-and three concurrent senders to one receiver."""
+and three concurrent senders to one receiver.
+
+Every test that moves data runs on each provider: soft always, pyverbs where an RDMA device exists
+(skipped with the reason elsewhere; on rxe0 in the qemu VM with `make test-rdma`). Cancel and
+peer-death tests need a transfer still in flight when they act: on soft the link model slows it
+(`soft_link`), on a real device the sender paces its chunks (`slow_transfer`)."""
 from __future__ import annotations
 
 import os
@@ -17,8 +22,14 @@ from fate_rdma.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
 
+from .verbs_pair import require
+
 CHUNK = 64 * 1024
 MODES = ["fedrdma", "fedrdma-e"]
+PROVIDERS = ["soft", "pyverbs"]
+#: on a real device nothing slows the wire: the sender waits this long before posting each chunk, so a
+#: 3 MiB transfer of 64 KiB chunks lasts about 1 s wherever it runs (a fast NIC, rxe in an emulated VM)
+PACE_PER_CHUNK_S = 0.02
 
 
 def wait_for(pred, timeout_s: float, what: str) -> None:
@@ -30,11 +41,33 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def cfg_for(mode: str, **kw) -> ChannelConfig:
-    base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=1 << 20, provider="soft", window=4,
+def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
+    """provider "soft" (same-host path between these processes), "soft-tcp" (that path off: TCP, as
+    between hosts) or "pyverbs"."""
+    base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=1 << 20, provider=provider, window=4,
                 no_progress_timeout_s=10, connect_timeout_s=10)
+    if provider == "soft-tcp":
+        base.update(provider="soft", same_host=False)
     base.update(kw)
     return ChannelConfig(**base)
+
+
+def slow_transfer(provider: str, monkeypatch, **kw) -> dict:
+    """Config keywords for a transfer that stays in flight for a while: the soft provider's link model
+    (rate=50mbit) over TCP, or, on the same-host path and on a real device, this process pacing its
+    own chunk posts."""
+    if provider == "soft-tcp":
+        return dict(kw, soft_link="rate=50mbit")
+    import fate_rdma.channel.connection as conn_mod
+
+    post_data = conn_mod.Connection.post_data
+
+    def paced(self, *a, **k):
+        time.sleep(PACE_PER_CHUNK_S)  # on the connection's own thread: its next chunk waits too
+        return post_data(self, *a, **k)
+
+    monkeypatch.setattr(conn_mod.Connection, "post_data", paced)
+    return kw
 
 
 class Peer:
@@ -58,9 +91,15 @@ def mode(request):
     return request.param
 
 
+@pytest.fixture(params=PROVIDERS)
+def provider(request):
+    require(request.param)  # pyverbs: skipped, with the reason, where no RDMA device is usable
+    return request.param
+
+
 @pytest.fixture
-def pair(mode):
-    cfg = cfg_for(mode)
+def pair(mode, provider):
+    cfg = cfg_for(mode, provider)
     peer = Peer(cfg)
     ep = Endpoint(cfg)
     yield ep, peer
@@ -91,8 +130,8 @@ def test_scatter_gather_and_reuse(pair):
     assert len(ep.peers()) == 1
 
 
-def test_payload_larger_than_a_slot():
-    cfg = cfg_for("fedrdma-e", slot_bytes=CHUNK * 2)
+def test_payload_larger_than_a_slot(provider):
+    cfg = cfg_for("fedrdma-e", provider, slot_bytes=CHUNK * 2)
     peer = Peer(cfg)
     try:
         with Endpoint(cfg) as ep:
@@ -105,8 +144,8 @@ def test_payload_larger_than_a_slot():
         peer.close()
 
 
-def test_too_large_falls_back_to_fedrdma_when_configured():
-    cfg = cfg_for("fedrdma-e", slot_bytes=CHUNK, too_large="fedrdma")
+def test_too_large_falls_back_to_fedrdma_when_configured(provider):
+    cfg = cfg_for("fedrdma-e", provider, slot_bytes=CHUNK, too_large="fedrdma")
     peer = Peer(cfg)
     try:
         with Endpoint(cfg) as ep:
@@ -149,12 +188,12 @@ def test_corrupted_transfer_is_detected(pair, monkeypatch):
     assert peer.expect()[0]["nbytes"] == 2  # the corrupted one was never delivered
 
 
-def test_cancel_mid_transfer(mode):
-    cfg = cfg_for(mode, soft_link="rate=50mbit", window=2, slot_bytes=4 << 20)
+def test_cancel_mid_transfer(mode, provider, monkeypatch):
+    cfg = cfg_for(mode, provider, **slow_transfer(provider, monkeypatch, window=2, slot_bytes=4 << 20))
     peer = Peer(cfg)
     try:
         with Endpoint(cfg) as ep:
-            fut = ep.send(peer.address, bytes(3 << 20))  # about 0.5 s on the emulated link
+            fut = ep.send(peer.address, bytes(3 << 20))  # about 0.5 s on the emulated link, 1 s paced
             wait_for(lambda: fut.progress_bytes > 0, 20, "progress of the transfer")
             assert fut.cancel()
             with pytest.raises(E.TransferCancelled, match="cancelled by sender"):
@@ -166,8 +205,8 @@ def test_cancel_mid_transfer(mode):
         peer.close()
 
 
-def test_peer_death_mid_transfer_errors_without_leaks(mode):
-    cfg = cfg_for(mode, soft_link="rate=50mbit", window=2, slot_bytes=8 << 20)
+def test_peer_death_mid_transfer_errors_without_leaks(mode, provider, monkeypatch):
+    cfg = cfg_for(mode, provider, **slow_transfer(provider, monkeypatch, window=2, slot_bytes=8 << 20))
     peer = Peer(cfg)
     try:
         ep = Endpoint(cfg)
@@ -186,15 +225,15 @@ def test_peer_death_mid_transfer_errors_without_leaks(mode):
         peer.proc.conn.close()
 
 
-def test_unreachable_peer_is_named():
-    cfg = cfg_for("fedrdma-e", connect_timeout_s=0.5)
+def test_unreachable_peer_is_named(provider):
+    cfg = cfg_for("fedrdma-e", provider, connect_timeout_s=0.5)
     with Endpoint(cfg) as ep:
         with pytest.raises(E.PeerUnreachable, match="127.0.0.1:9"):
             ep.send("127.0.0.1:9", b"x")
 
 
-def test_three_concurrent_senders_progress_fairly(mode):
-    cfg = cfg_for(mode)
+def test_three_concurrent_senders_progress_fairly(mode, provider):
+    cfg = cfg_for(mode, provider)
     peer = Peer(cfg)
     eps = []
     try:
@@ -245,8 +284,8 @@ def test_yaml_config_loads(tmp_path):
     assert (c.mode, c.chunk_bytes, c.window) == ("fedrdma", 1 << 20, 8)
 
 
-def test_several_queue_pairs(mode):
-    cfg = cfg_for(mode, qps_per_peer=3)
+def test_several_queue_pairs(mode, provider):
+    cfg = cfg_for(mode, provider, qps_per_peer=3)
     peer = Peer(cfg)
     try:
         with Endpoint(cfg) as ep:
@@ -286,8 +325,8 @@ def test_shipped_conf_files_load():
 BIG = 10 << 20  # above the 4 MiB checksum block: the whole-payload checksum runs on the block pool
 
 
-def big_cfg(mode: str) -> ChannelConfig:
-    return cfg_for(mode, chunk_bytes=1 << 20, slot_bytes=16 << 20, window=8)
+def big_cfg(mode: str, provider: str) -> ChannelConfig:
+    return cfg_for(mode, provider, chunk_bytes=1 << 20, slot_bytes=16 << 20, window=8)
 
 
 def test_concurrent_checksums_never_wait_on_each_other():
@@ -305,8 +344,8 @@ def test_concurrent_checksums_never_wait_on_each_other():
     assert {f.result() for f in done} == {expect}
 
 
-def test_large_payloads_at_once_one_to_several(mode):
-    cfg = big_cfg(mode)
+def test_large_payloads_at_once_one_to_several(mode, provider):
+    cfg = big_cfg(mode, provider)
     peers = [Peer(cfg) for _ in range(3)]
     try:
         with Endpoint(cfg) as ep:
@@ -322,8 +361,8 @@ def test_large_payloads_at_once_one_to_several(mode):
             p.close()
 
 
-def test_large_payloads_at_once_several_to_one(mode):
-    cfg = big_cfg(mode)
+def test_large_payloads_at_once_several_to_one(mode, provider):
+    cfg = big_cfg(mode, provider)
     peer = Peer(cfg)
     eps = []
     try:

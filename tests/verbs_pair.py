@@ -8,7 +8,9 @@ import pytest
 
 import easypyverbs as ev
 
-PROVIDERS = ["soft", "pyverbs"]
+#: "soft" takes the same-host path here (both ends in one process); "soft-tcp" is the soft provider
+#: with that path off, i.e. as between hosts: the conformance suite runs on both
+PROVIDERS = ["soft", "soft-tcp", "pyverbs"]
 
 
 def require(provider: str) -> None:
@@ -19,8 +21,8 @@ def require(provider: str) -> None:
 
 
 def open_ctx(provider: str, **soft_opts: Any) -> ev.Context:
-    if provider == "soft":
-        opts = {"rnr_timeout_s": 0.3, "retry_timeout_s": 3.0}
+    if provider in ("soft", "soft-tcp"):
+        opts = {"rnr_timeout_s": 0.3, "retry_timeout_s": 3.0, "same_host": provider == "soft"}
         opts.update(soft_opts)
         return ev.open_device(provider="soft", **opts)
     return ev.open_device(provider="pyverbs")

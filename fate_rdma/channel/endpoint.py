@@ -37,8 +37,13 @@ class Endpoint:
                               f"loopback; set secret_file (the federation's shared secret, `fate-rdma secret FILE`)")
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
         provider = config.provider
+        soft_opts: Dict[str, Any] = {"same_host": config.same_host}
+        if provider == "soft":
+            soft_opts["bind_host"] = host
+        elif provider == "auto" and ev.device.choose_provider("auto")[0] != "soft":
+            soft_opts = {}
         self.ctx = ev.open_device(config.device, provider, link=config.soft_link if provider != "pyverbs" else None,
-                                  **({"bind_host": host} if provider == "soft" else {}))
+                                  **soft_opts)
         if self.ctx.provider == "soft" and provider == "auto" and host != "127.0.0.1":
             log.info("soft provider bound to 127.0.0.1; pass provider='soft' to bind %s", host)
         self.pd = self.ctx.alloc_pd()

@@ -14,6 +14,7 @@ Every figure names the provider; the soft provider is an emulation and says so.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import crc32c
@@ -73,11 +74,17 @@ def _channel(args: argparse.Namespace, weights: np.ndarray, expect: int) -> bool
     rows, ok_all = [], True
     provider = "soft" if args.link else args.provider
     print(f"[3b] fate-rdma channel vs gRPC, {nbytes / 1e6:.1f} MB to another process" + (f", link model {args.link}" if args.link else ""))
-    with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer:
+    import tempfile
+
+    from ..channel.auth import write_secret
+
+    with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer, tempfile.TemporaryDirectory() as private:
+        secret = os.path.join(private, "secret")
+        write_secret(secret)  # the two endpoints authenticate each other, as parties do
         g = _grpc(peer, weights.tobytes(), 1)
         rows.append({"method": "grpc_stream (4 MiB chunks)", "provider": "grpc over TCP", "seconds": g["grpc_stream"][0], "verified": "-"})
         for mode in ("fedrdma", "fedrdma-e"):
-            cfg = ChannelConfig(mode=mode, slot_bytes=nbytes, provider=provider, soft_link=args.link)
+            cfg = ChannelConfig(mode=mode, slot_bytes=nbytes, provider=provider, soft_link=args.link, secret_file=secret)
             reply = peer.cmd({"cmd": "endpoint", "config": dict(cfg.__dict__), "record": True})
             with Endpoint(cfg) as ep:
                 count = peer.cmd({"cmd": "mark"})["count"]
@@ -90,7 +97,8 @@ def _channel(args: argparse.Namespace, weights: np.ndarray, expect: int) -> bool
                 secs = time.perf_counter() - t0
                 ok = rec["crc32c"] == expect and rec["nbytes"] == nbytes
                 ok_all &= ok
-                label = ep.ctx.label + (" [emulated]" if ep.ctx.emulated else "")
+                path = getattr(ep.connect(reply["address"]).rcs[0].qp, "data_path", "")
+                label = ep.ctx.label + (f", {path}" if path else "") + (" [emulated]" if ep.ctx.emulated else "")
                 rows.append({"method": f"{mode} (window {info['window']}, {info['chunks']} chunks)", "provider": label,
                              "seconds": secs, "verified": "OK" if ok else "MISMATCH"})
     base = rows[0]["seconds"]
@@ -128,8 +136,10 @@ def _lora_job(args: argparse.Namespace) -> bool:
     with tempfile.TemporaryDirectory(prefix="fate-rdma-demo-") as tmp:
         conf = os.path.join(tmp, "fate_rdma.json")
         with open(conf, "w") as f:
+            # same_host: false: the parties share this machine, but the job moves its weights as between
+            # sites (loopback TCP); `bench transfer` and `bench fate --path` show the same-host path
             json.dump({"fate_rdma": {"enabled": True, "mode": "fedrdma-e", "slot_bytes": 64 << 20, "too_large": "fedrdma",
-                                     "provider": args.provider, "endpoints": local_endpoints()}}, f)
+                                     "provider": args.provider, "endpoints": local_endpoints(), "same_host": False}}, f)
         script = os.path.join(tmp, "job.py")
         with open(script, "w") as f:
             f.write("from fate_rdma.llm.gpt2_fedavg import main\nif __name__ == '__main__':\n    main()\n")
@@ -175,7 +185,7 @@ def _full_comparison(args: argparse.Namespace) -> bool:
           flush=True)
     if _fate_missing():
         return True
-    ns = argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma",
+    ns = argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma", path="tcp",
                             methods="fate,fate-rdma", provider=args.provider, timeout=1800, keep=None)
     return fate_federation.run(ns) == 0
 

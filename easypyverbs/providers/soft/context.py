@@ -14,7 +14,7 @@ from ...api import CQ, MR, PD, QP, Context
 from ...enums import Access
 from ...errors import EasyVerbsError
 from ...types import WC, DeviceInfo, PortInfo, QPCap
-from . import wire
+from . import samehost, wire
 from .link import Link, LinkModel
 
 log = logging.getLogger("easypyverbs.soft")
@@ -39,10 +39,17 @@ class SoftContext(Context):
         # the peer's GIL (a large pickle, a copy into fresh memory) delays its answers; a real NIC
         # answers from hardware. 30 s matches the channel's default no-progress deadline.
         retry_timeout_s: float = 30.0,
+        same_host: Optional[bool] = None,
     ) -> None:
         super().__init__("soft0")
         self.link_model = link or LinkModel()
         self.link = Link(self.link_model) if self.link_model.active else None
+        # same-host path (samehost.py): on unless switched off, and never under a link model (a WAN)
+        want = samehost.enabled_by_env() if same_host is None else same_host
+        ok, why = samehost.self_test() if want else (False, "switched off")
+        if want and ok and self.link is not None:
+            ok, why = False, "a link model is set (an emulated WAN)"
+        self.same_host, self.same_host_why = ok, why
         self._max_msg_bytes = max_msg_bytes
         self.rnr_timeout_s = rnr_timeout_s
         self.retry_timeout_s = retry_timeout_s
@@ -104,7 +111,8 @@ class SoftContext(Context):
         try:
             sock.settimeout(5.0)
             raw = wire.recv_exactly(sock, wire.HELLO.size)
-            magic, version, kind, _, src_qpn, dst_qpn, psn, fwd_delay_us, token = wire.HELLO.unpack(raw)
+            (magic, version, kind, flags, src_qpn, dst_qpn, psn, fwd_delay_us, token, pid, probe_addr,
+             probe) = wire.HELLO.unpack(raw)
             if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 1:
                 raise EasyVerbsError("not a soft-verbs HELLO")
             with self._lock:
@@ -112,9 +120,15 @@ class SoftContext(Context):
             status = wire.HELLO_OK if qp is not None else wire.HELLO_NO_QP
             if qp is not None and not hmac.compare_digest(token, qp.token):  # type: ignore[attr-defined]
                 status = wire.HELLO_BAD_TOKEN
-            elif qp is not None and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6):  # type: ignore[attr-defined]
+            pull_pid = 0
+            if (status == wire.HELLO_OK and flags & wire.FLAG_SAME_HOST and self.same_host and fwd_delay_us == 0
+                    and samehost.usable(pid, probe_addr, probe)):
+                pull_pid = pid  # the requester's memory is readable from here: take its bytes directly
+            if status == wire.HELLO_OK and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6,  # type: ignore[union-attr]
+                                                                   pull_pid):
                 status = wire.HELLO_BUSY
-            sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status))
+            reply_flags = wire.FLAG_SAME_HOST if pull_pid and status == wire.HELLO_OK else 0
+            sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status, reply_flags))
             if status != wire.HELLO_OK:
                 sock.close()
             if status != wire.HELLO_OK:

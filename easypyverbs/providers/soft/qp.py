@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -18,10 +19,11 @@ import time
 from typing import Any, Deque, List, Optional
 
 from ...api import CQ, OPCODE_OF, PD, QP, SGE
+from ...buffers import address_of
 from ...enums import Access, QPState, WCOpcode, WCStatus
 from ...errors import EasyVerbsError, UsageError
 from ...types import WC, QPCap, QPInfo
-from . import wire
+from . import samehost, wire
 from .link import DelayLine
 
 log = logging.getLogger("easypyverbs.soft")
@@ -60,6 +62,9 @@ class SoftQP(QP):
         self._resp_line: Optional[DelayLine] = None
         self._closing = False
         self._scratch: Optional[memoryview] = None
+        self._pull = False  # requester: the responder reads our payloads itself (same-host path)
+        self._pull_pid = 0  # responder: the requester's pid when we read its payloads (same-host path)
+        self._probe: Optional[samehost.Probe] = None
 
     # -- connection -----------------------------------------------------------------------------
     def _info(self) -> QPInfo:
@@ -88,9 +93,13 @@ class SoftQP(QP):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             token = bytes.fromhex(remote.token).ljust(wire.TOKEN_BYTES, b"\0")[:wire.TOKEN_BYTES]
-            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, self.qpn, remote.qpn, self.psn,
-                                         int(link.delay_s * 1e6), token))
-            magic, version, kind, status = wire.HELLO_REPLY.unpack(wire.recv_exactly(sock, wire.HELLO_REPLY.size))
+            offer = self.ctx.same_host and self.ctx.link is None  # type: ignore[attr-defined]
+            self._probe = samehost.Probe() if offer else None
+            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, wire.FLAG_SAME_HOST if offer else 0,
+                                         self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
+                                         os.getpid(), self._probe.addr if self._probe else 0,
+                                         self._probe.value if self._probe else bytes(16)))
+            magic, version, kind, status, flags = wire.HELLO_REPLY.unpack(wire.recv_exactly(sock, wire.HELLO_REPLY.size))
         except (OSError, wire.PeerClosed) as exc:
             sock.close()
             raise EasyVerbsError(f"soft QP {self.qpn}: handshake with {remote.gid} failed: {exc}") from exc
@@ -100,6 +109,8 @@ class SoftQP(QP):
                    wire.HELLO_BAD_TOKEN: "wrong attach token"}.get(status, "bad reply")
             raise EasyVerbsError(f"soft QP {self.qpn}: peer {remote.gid} refused QP {remote.qpn}: {why}")
         wire.set_kernel_timeouts(sock, self.ctx.retry_timeout_s)  # type: ignore[attr-defined]
+        self._pull = bool(flags & wire.FLAG_SAME_HOST)
+        self._probe = None
         with self._cv:
             self._req_sock = sock
             self._st = QPState.RTS
@@ -108,11 +119,18 @@ class SoftQP(QP):
         self._spawn(self._send_loop, "send")
         self._spawn(self._ack_loop, "acks")
 
-    def attach_responder(self, sock: socket.socket, src_qpn: int, psn: int, fwd_delay_s: float) -> bool:
-        """Called by the NIC when the peer's requester dials this QP."""
+    @property
+    def data_path(self) -> str:
+        """How this QP's outgoing payloads reach the peer: "same-host (process_vm_readv)" or "tcp"."""
+        return "same-host (process_vm_readv)" if self._pull else "tcp"
+
+    def attach_responder(self, sock: socket.socket, src_qpn: int, psn: int, fwd_delay_s: float,
+                         pull_pid: int = 0) -> bool:
+        """Called by the NIC when the peer's requester dials this QP (`pull_pid`: same-host path)."""
         with self._cv:
             if self._closing or self._resp_sock is not None or self._st == QPState.ERR:
                 return False
+            self._pull_pid = pull_pid
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._resp_sock = sock
@@ -156,6 +174,10 @@ class SoftQP(QP):
                 self._fail(WCStatus.LOC_PROT_ERR, f"wr {wr.wr_id}: {exc}")
                 return
             opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0)
+            if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
+                opcode |= wire.OP_PULL
+                spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]
+                views = [memoryview(wire.PULL_COUNT.pack(len(spans)) + b"".join(wire.PULL_SPAN.pack(*sp) for sp in spans))]
             now = time.monotonic()
             free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
             hdr = wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr, wr.rkey,
@@ -306,12 +328,17 @@ class SoftQP(QP):
                 wire.recv_exactly_into(sock, hdr)
                 magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
                 due = time.monotonic() + due_us / 1e6 + fwd_delay_s
-                op, has_imm = opcode & 0x7F, bool(opcode & wire.OP_HAS_IMM)
-                if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected:
+                op, has_imm, pull = opcode & 0x3F, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
+                if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected \
+                        or (pull and (not self._pull_pid or op == wire.OP_READ)):
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
                     return
                 expected = (expected + 1) & PSN_MASK
-                self._serve(sock, op, has_imm, psn, length, raddr, rkey, imm, due)
+                spans = self._read_spans(sock, length) if pull else None
+                if pull and spans is None:
+                    self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
+                    return
+                self._serve(sock, op, has_imm, psn, length, raddr, rkey, imm, due, spans)
             except (OSError, wire.PeerClosed) as exc:
                 with self._cv:
                     acks_pending = bool(self._inflight)
@@ -324,8 +351,26 @@ class SoftQP(QP):
                 self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
                 return
 
+    def _read_spans(self, sock: socket.socket, length: int) -> Optional[List[Any]]:
+        """The (address, length) spans of a same-host request; None if they do not add up to `length`."""
+        (count,) = wire.PULL_COUNT.unpack(wire.recv_exactly(sock, wire.PULL_COUNT.size))
+        if count > wire.MAX_PULL_SPANS:
+            return None
+        raw = wire.recv_exactly(sock, count * wire.PULL_SPAN.size)
+        spans = [wire.PULL_SPAN.unpack_from(raw, i * wire.PULL_SPAN.size) for i in range(count)]
+        return spans if sum(n for _, n in spans) == length else None
+
+    def _place(self, sock: socket.socket, spans: Optional[List[Any]], targets: List[memoryview]) -> None:
+        """Fill `targets` with the request's payload: from the socket, or (same-host path) straight
+        from the requester's memory. OSError if the requester's memory cannot be read."""
+        if spans is None:
+            for t in targets:
+                wire.recv_exactly_into(sock, t)
+            return
+        samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
+
     def _serve(self, sock: socket.socket, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
-               imm: int, due: float) -> None:
+               imm: int, due: float, spans: Optional[List[Any]] = None) -> None:
         if op == wire.OP_READ:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
             if view is None:
@@ -336,15 +381,22 @@ class SoftQP(QP):
         if op == wire.OP_WRITE:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_WRITE)
             if view is None:
-                self._drain(sock, length)
+                self._drain(sock, length, spans)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
                 return
             recv = self._take_recv() if has_imm else None
             if has_imm and recv is None:
-                self._drain(sock, length)
+                self._drain(sock, length, spans)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
                 return
-            wire.recv_exactly_into(sock, view)
+            try:
+                self._place(sock, spans, [view])
+            except OSError as exc:
+                if spans is None:
+                    raise
+                self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
+                             why=f"cannot read the requester's memory: {exc}")
+                return
             if recv is None and self._resp_line is None and due <= time.monotonic() and wire.more_pending(sock):
                 return  # the next request is already arriving: its answer acknowledges this one too
             wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
@@ -352,31 +404,42 @@ class SoftQP(QP):
             return
         recv = self._take_recv()  # SEND
         if recv is None:
-            self._drain(sock, length)
+            self._drain(sock, length, spans)
             self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
             return
         wr_id, sges = recv
         if length > sum(s.length for s in sges):
-            self._drain(sock, length)
+            self._drain(sock, length, spans)
             wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qpn)
             self._answer(sock, due, wire.NAK, psn, WCStatus.REM_INV_REQ_ERR, wc=wc, then_error=True)
             return
-        left = length
+        left, targets = length, []
         for s in sges:
             k = min(left, s.length)
             if k:
-                wire.recv_exactly_into(sock, s.view()[:k])
+                targets.append(s.view()[:k])
             left -= k
+        try:
+            self._place(sock, spans, targets)
+        except OSError as exc:
+            if spans is None:
+                raise
+            self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
+                         why=f"cannot read the requester's memory: {exc}")
+            return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
-    def _drain(self, sock: socket.socket, length: int) -> None:
+    def _drain(self, sock: socket.socket, length: int, spans: Optional[List[Any]] = None) -> None:
+        if spans is not None:
+            return  # same-host path: the payload never came over the socket
         if self._scratch is None:
             self._scratch = memoryview(bytearray(1 << 20))
         wire.drain(sock, length, self._scratch)
 
     def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
-                wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False) -> None:
+                wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False,
+                why: str = "") -> None:
         def deliver() -> None:
             if then_error:
                 self._err_seen = True
@@ -390,7 +453,7 @@ class SoftQP(QP):
             except OSError:
                 pass  # the requester notices the lost connection itself
             if then_error:
-                self._enter_error(WCStatus.WR_FLUSH_ERR, f"receive failed with {wc.status.name if wc else status.name}")
+                self._enter_error(WCStatus.WR_FLUSH_ERR, why or f"receive failed with {wc.status.name if wc else status.name}")
 
         if self._resp_line is None and due > time.monotonic():
             self._resp_line = DelayLine(f"soft-qp{self.qpn}-respdelay")

@@ -2,13 +2,19 @@
 
 Every frame starts with a 2-byte magic and a version, so garbage is detected at once.
 
-HELLO (requester -> responder NIC), `!4sBBHIIIQ16s`, 44 bytes:
-    magic b"SVRB", version u8, kind u8 (=1), reserved u16, src_qpn u32, dst_qpn u32, first psn u32,
+HELLO (requester -> responder NIC), `!4sBBHIIIQ16sIQ16s`, 72 bytes:
+    magic b"SVRB", version u8, kind u8 (=1), flags u16 (bit 0: the requester offers the same-host
+    path), src_qpn u32, dst_qpn u32, first psn u32,
     fwd_delay_us u64 (the requester's link model: one-way delay the responder adds),
     token 16 bytes (the responder QP's attach token, from its QPInfo: only a peer that received the
-    QPInfo over the bootstrap can attach to the QP, not whoever scans QP numbers first)
-HELLO_REPLY (responder -> requester), `!4sBBH`, 8 bytes: magic, version, kind (=2), status u16 (0 ok,
-    1 no such QP, 2 QP already connected, 3 wrong token)
+    QPInfo over the bootstrap can attach to the QP, not whoever scans QP numbers first),
+    pid u32, probe_addr u64, probe 16 bytes (same-host path: the responder must read `probe` at
+    `probe_addr` in process `pid` with process_vm_readv before it uses the path; see samehost.py)
+HELLO_REPLY (responder -> requester), `!4sBBHH`, 10 bytes: magic, version, kind (=2), status u16 (0 ok,
+    1 no such QP, 2 QP already connected, 3 wrong token), flags u16 (bit 0: same-host path on)
+
+With the same-host path on, a SEND or WRITE request carries opcode bit 0x40 and, instead of its
+payload, PULL `!I` (count) then count x `!QQ` (address, length) in the requester's memory.
 
 REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
     magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
@@ -25,8 +31,12 @@ import struct
 from typing import List, Sequence
 
 VERSION = 1
-HELLO = struct.Struct("!4sBBHIIIQ16s")
-HELLO_REPLY = struct.Struct("!4sBBH")
+HELLO = struct.Struct("!4sBBHIIIQ16sIQ16s")
+HELLO_REPLY = struct.Struct("!4sBBHH")
+PULL_COUNT = struct.Struct("!I")
+PULL_SPAN = struct.Struct("!QQ")
+MAX_PULL_SPANS = 1024
+FLAG_SAME_HOST = 1
 HELLO_MAGIC = b"SVRB"
 REQ = struct.Struct("!HBBIQQIIQ")
 REQ_MAGIC = 0x5352
@@ -35,6 +45,7 @@ RESP_MAGIC = 0x5341
 
 OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
 OP_HAS_IMM = 0x80
+OP_PULL = 0x40  # same-host path: the payload is read from the requester's memory
 ACK, NAK, READ_RESP = 1, 2, 3
 HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN = 0, 1, 2, 3
 TOKEN_BYTES = 16

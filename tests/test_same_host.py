@@ -1,0 +1,91 @@
+"""The soft provider's same-host data path (process_vm_readv) under the channel: chosen between
+processes of one host, verified transfers in both modes, a peer killed mid-transfer, and a peer
+that cannot prove it shares the host (it gets the TCP path)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import crc32c
+import numpy as np
+import pytest
+
+import easypyverbs as ev
+from easypyverbs.providers.soft import samehost, wire
+from fate_rdma import errors as E
+from fate_rdma.bench.driver import PeerProcess
+from fate_rdma.channel import Endpoint
+from fate_rdma.config import ChannelConfig
+
+SAME_HOST = "same-host (process_vm_readv)"
+pytestmark = pytest.mark.skipif(not samehost.self_test()[0], reason=f"same-host path unusable: {samehost.self_test()[1]}")
+
+
+def cfg(mode, **kw):
+    base = dict(mode=mode, chunk_bytes=1 << 20, slot_bytes=64 << 20, provider="soft", window=4,
+                no_progress_timeout_s=10, connect_timeout_s=10)
+    base.update(kw)
+    return ChannelConfig(**base)
+
+
+def peer(config):
+    p = PeerProcess(module="fate_rdma.bench.transfer_peer")
+    addr = p.cmd({"cmd": "endpoint", "config": dict(config.__dict__), "record": True})["address"]
+    return p, addr
+
+
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_transfers_between_processes_take_the_same_host_path(mode):
+    c = cfg(mode)
+    p, addr = peer(c)
+    try:
+        with Endpoint(c) as ep:
+            data = np.random.default_rng(3).integers(0, 256, (40 << 20) + 7, dtype=np.uint8)
+            ep.send(addr, [data[:1000], data[1000:]], {"m": mode}).result(60)
+            assert all(rc.qp.data_path == SAME_HOST for rc in ep.connect(addr).rcs)
+            rec = p.cmd({"cmd": "expect", "count": 1, "timeout_s": 60})["records"][0]
+            assert rec["nbytes"] == data.nbytes and rec["crc32c"] == crc32c.crc32c(data)
+    finally:
+        p.close()
+
+
+def test_peer_killed_mid_transfer_on_the_same_host_path():
+    c = cfg("fedrdma", chunk_bytes=64 << 10, window=1)  # ~4000 round trips: long enough to interrupt
+    p, addr = peer(c)
+    try:
+        ep = Endpoint(c)
+        fut = ep.send(addr, bytes(256 << 20))
+        deadline = time.monotonic() + 20
+        while fut.progress_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert ep.connect(addr).rcs[0].qp.data_path == SAME_HOST
+        os.kill(p.proc.pid, signal.SIGKILL)
+        with pytest.raises(E.PeerUnreachable):
+            fut.result(30)
+        ep.close()
+        assert ev.live_resources() == []
+    finally:
+        p.proc.kill()
+        p.proc.wait()
+        p.conn.close()
+
+
+def test_peer_that_cannot_prove_the_same_host_gets_tcp():
+    """A HELLO that offers the path with a probe the responder cannot read back (another host, another
+    PID namespace, or a lie) is answered without it."""
+    ctx = ev.open_device(provider="soft")
+    try:
+        qp = ctx.alloc_pd().create_qp(ctx.create_cq())
+        host, _, port = ctx.nic_address.rpartition(":")
+        for pid, addr in ((1, 0x1000), (os.getpid(), 0)):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, wire.FLAG_SAME_HOST, 1, qp.qpn, 0, 0,
+                                          qp.token, pid, addr, os.urandom(16)))
+                *_, status, flags = wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))
+                assert status == wire.HELLO_OK and flags == 0
+            qp.close()
+            qp = ctx.alloc_pd().create_qp(ctx.create_cq())
+    finally:
+        ctx.close()
