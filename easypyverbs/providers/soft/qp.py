@@ -360,14 +360,22 @@ class SoftQP(QP):
         spans = [wire.PULL_SPAN.unpack_from(raw, i * wire.PULL_SPAN.size) for i in range(count)]
         return spans if sum(n for _, n in spans) == length else None
 
-    def _place(self, sock: socket.socket, spans: Optional[List[Any]], targets: List[memoryview]) -> None:
-        """Fill `targets` with the request's payload: from the socket, or (same-host path) straight
-        from the requester's memory. OSError if the requester's memory cannot be read."""
+    def _place(self, sock: socket.socket, spans: Optional[List[Any]], targets: List[memoryview], due: float,
+               psn: int) -> bool:
+        """Fill `targets` with the request's payload: from the socket, or (same-host path) straight from
+        the requester's memory. False (the request answered with an error, the QP failing) if the
+        requester's memory cannot be read."""
         if spans is None:
             for t in targets:
                 wire.recv_exactly_into(sock, t)
-            return
-        samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
+            return True
+        try:
+            samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
+        except OSError as exc:
+            self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
+                         why=f"cannot read the requester's memory: {exc}")
+            return False
+        return True
 
     def _serve(self, sock: socket.socket, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
                imm: int, due: float, spans: Optional[List[Any]] = None) -> None:
@@ -389,13 +397,7 @@ class SoftQP(QP):
                 self._drain(sock, length, spans)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
                 return
-            try:
-                self._place(sock, spans, [view])
-            except OSError as exc:
-                if spans is None:
-                    raise
-                self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
-                             why=f"cannot read the requester's memory: {exc}")
+            if not self._place(sock, spans, [view], due, psn):
                 return
             if recv is None and self._resp_line is None and due <= time.monotonic() and wire.more_pending(sock):
                 return  # the next request is already arriving: its answer acknowledges this one too
@@ -419,13 +421,7 @@ class SoftQP(QP):
             if k:
                 targets.append(s.view()[:k])
             left -= k
-        try:
-            self._place(sock, spans, targets)
-        except OSError as exc:
-            if spans is None:
-                raise
-            self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
-                         why=f"cannot read the requester's memory: {exc}")
+        if not self._place(sock, spans, targets, due, psn):
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
