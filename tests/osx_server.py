@@ -12,6 +12,13 @@ def make_servicer(pb2, pb2_grpc):
         def __init__(self):
             self.queues = collections.defaultdict(collections.deque)
             self.cv = threading.Condition()
+            self.closed = False
+
+        def close(self):
+            """Wake every waiting pop (it answers the timeout code): the server's threads can end."""
+            with self.cv:
+                self.closed = True
+                self.cv.notify_all()
 
         @staticmethod
         def _key(request, context):
@@ -27,7 +34,8 @@ def make_servicer(pb2, pb2_grpc):
         def pop(self, request, context):
             key = self._key(request, context)
             with self.cv:
-                if not self.cv.wait_for(lambda: self.queues[key], timeout=max(request.timeout, 1) / 1000):
+                if not self.cv.wait_for(lambda: self.queues[key] or self.closed, timeout=max(request.timeout, 1) / 1000) \
+                        or not self.queues[key]:
                     return pb2.TransportOutbound(code="E0000000601", message="pop timeout")
                 return pb2.TransportOutbound(code="0", payload=self.queues[key].popleft())
 

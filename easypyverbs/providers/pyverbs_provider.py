@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 from ..api import CQ, MR, PD, QP, SGE, Context
@@ -256,9 +257,16 @@ class PyverbsCQ(CQ):
         super().__init__(ctx, cqe)
         self._cq = _call("create_cq", _CQ, ctx._ctx, cqe, None, None, 0)
         self._e = ctx.e
+        # a close from another thread (an owner's cleanup, a test's leak check) must not free the CQ
+        # under a poll in progress: with pyverbs that is a use-after-free in libibverbs (a segfault)
+        self._poll_lock = threading.Lock()
+        self._destroyed = False
 
     def _poll(self, max_entries: int) -> List[WC]:
-        n, wcs = _call("poll_cq", self._cq.poll, max_entries)
+        with self._poll_lock:
+            if self._destroyed:
+                raise UsageError("PyverbsCQ is closed")
+            n, wcs = _call("poll_cq", self._cq.poll, max_entries)
         out = []
         for wc in wcs[:n]:
             imm = socket.ntohl(wc.imm_data) if wc.wc_flags & self._e.IBV_WC_WITH_IMM else None
@@ -267,7 +275,9 @@ class PyverbsCQ(CQ):
         return out
 
     def _close_impl(self) -> None:
-        self._cq.close()
+        with self._poll_lock:
+            self._destroyed = True
+            self._cq.close()
 
 
 class PyverbsQP(QP):

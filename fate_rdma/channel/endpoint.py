@@ -40,7 +40,7 @@ class Endpoint:
         soft_opts: Dict[str, Any] = {"same_host": config.same_host}
         if provider == "soft":
             soft_opts["bind_host"] = host
-        elif provider == "auto" and ev.device.choose_provider("auto")[0] != "soft":
+        elif provider == "pyverbs" or provider == "auto" and ev.device.choose_provider("auto")[0] != "soft":
             soft_opts = {}
         self.ctx = ev.open_device(config.device, provider, link=config.soft_link if provider != "pyverbs" else None,
                                   **soft_opts)
