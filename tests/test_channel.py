@@ -26,7 +26,7 @@ from .verbs_pair import require
 
 CHUNK = 64 * 1024
 MODES = ["fedrdma", "fedrdma-e"]
-PROVIDERS = ["soft", "pyverbs"]
+PROVIDERS = ["soft", "soft-tcp", "pyverbs"]  # as cfg_for names them
 #: on a real device nothing slows the wire: the sender waits this long before posting each chunk, so a
 #: 3 MiB transfer of 64 KiB chunks lasts about 1 s wherever it runs (a fast NIC, rxe in an emulated VM)
 PACE_PER_CHUNK_S = 0.02

@@ -21,6 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 # (tests/test_llm_fedavg.py has pyverbs legs too, but importing FATE-LLM and torch over 9p under TCG
 # takes minutes: run it on demand with `test-rdma.py tests/test_llm_fedavg.py -k pyverbs`)
 FILES = ["tests/test_verbs_conformance.py", "tests/test_verbs_processes.py", "tests/test_providers.py"]
+# the channel on rxe0, both modes: each test starts a peer process (10-20 s under TCG), so the leg takes
+# the boundary sizes, scatter-gather, integrity, cancel, several QPs, concurrent senders and 10 MiB
+# payloads; all of them: `test-rdma.py tests/test_channel.py -k pyverbs`
+CHANNEL = [f"tests/test_channel.py::{t}[{m}pyverbs{p}]" for m in ("fedrdma-", "fedrdma-e-") for t, p in (
+    ("test_sizes", "-1"), ("test_sizes", "-655367"), ("test_scatter_gather_and_reuse", ""),
+    ("test_corrupted_transfer_is_detected", ""), ("test_several_queue_pairs", ""),
+    ("test_three_concurrent_senders_progress_fairly", ""), ("test_large_payloads_at_once_several_to_one", ""))]
+CHANNEL += ["tests/test_channel.py::test_cancel_mid_transfer[fedrdma-pyverbs]"]
+# failing on rxe0, not in the leg until fixed (printed at every run, never silently left out)
+OPEN = {"test_cancel_mid_transfer[fedrdma-e-pyverbs]": "failed on rxe0 (paced sender); not yet diagnosed",
+        "test_peer_death_mid_transfer_errors_without_leaks[*-pyverbs]": "failed on rxe0 (fedrdma); not yet diagnosed"}
 
 
 def main(argv: list) -> int:
@@ -37,7 +48,7 @@ def main(argv: list) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="fate-rdma-test-rdma-") as tmp:
         junit = "$FATE_RDMA_VM_OUT/junit.xml"
-        select = args.pytest_args or [*FILES, "-k", "pyverbs"]
+        select = args.pytest_args or [*FILES, *CHANNEL, "-k", "pyverbs"]
         cmd = ["sh", "-c", f'exec "$0" -m pytest -q -p no:cacheprovider -rfEs --junitxml="{junit}" "$@"',
                sys.executable, *select]
         try:
@@ -68,6 +79,9 @@ def main(argv: list) -> int:
         print(f"test-rdma: {ran} tests ran on rxe0 ({res.label}): {counts['passed']} passed, {counts['failed']} failed, "
               f"{counts['xfailed']} xfailed (named device differences), {counts['skipped']} skipped; "
               f"boot to rxe0 ACTIVE {boot} (guest clock), VM leg {res.wall_s:.0f} s wall")
+        if not args.pytest_args:
+            for test, why in OPEN.items():
+                print(f"test-rdma: NOT RUN on rxe0 (open): tests/test_channel.py::{test}: {why}")
         if res.status != 0 or counts["failed"]:
             return 1
         if ran == 0:
