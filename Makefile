@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-dev
 
-.PHONY: demo test test-rdma venv rdma-core bench-verbs doctor clean
+.PHONY: demo test test-rdma venv rdma-core rabbitmq wan-deps bench-verbs doctor clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(PY):
 # and fate-client go in with --no-deps, see pyproject); the start-up hook lets FATE's party processes see fate-rdma
 FLOW_PKGS := fate-flow==2.2.0 fate-client==2.2.0
 $(STAMP): $(PY) pyproject.toml setup.py
-	$(PIP) install -q -e '.[dev,fate,flow]'
+	$(PIP) install -q -e '.[dev,fate,flow,eval]'
 	$(PIP) install -q --no-deps $(FLOW_PKGS)
 	$(VENV)/bin/fate-rdma hook install
 	touch $@
@@ -30,8 +30,20 @@ rdma-core: $(STAMP)
 demo: venv
 	$(VENV)/bin/fate-rdma demo
 
-test: venv rdma-core
-	$(PY) -m pytest -q -p no:cacheprovider
+# RabbitMQ from the distribution (apt), for tests/test_rabbitmq.py: FATE's rabbitmq engine against a
+# real node the test starts and stops itself; where it cannot be installed the test skips and says why
+rabbitmq:
+	bash deploy/install-rabbitmq.sh
+
+# iproute2, nftables and gcc for the WAN testbed (tests/test_wan.py, `fate-rdma wan`); without root or
+# apt it prints what to install and the test skips with that reason
+wan-deps:
+	bash deploy/wan/install-deps.sh
+
+# -rs: every skipped test prints its reason
+test: venv rdma-core rabbitmq wan-deps
+	$(PY) -m pytest -q -rs -p no:cacheprovider
+	$(MAKE) --no-print-directory test-rdma
 
 # the pyverbs legs on Soft-RoCE (rxe0) in one qemu VM boot (deploy/rdma-vm); prints how many ran
 # there; skipped, with the reason printed, where qemu cannot run

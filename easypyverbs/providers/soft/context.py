@@ -122,7 +122,7 @@ class SoftContext(Context):
                 status = wire.HELLO_BAD_TOKEN
             pull_pid = 0
             if (status == wire.HELLO_OK and flags & wire.FLAG_SAME_HOST and self.same_host and fwd_delay_us == 0
-                    and samehost.usable(pid, probe_addr, probe)):
+                    and samehost.usable(pid, probe_addr, probe) and samehost.same_network_namespace(pid)):
                 pull_pid = pid  # the requester's memory is readable from here: take its bytes directly
             if status == wire.HELLO_OK and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6,  # type: ignore[union-attr]
                                                                    pull_pid):

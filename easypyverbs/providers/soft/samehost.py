@@ -9,7 +9,8 @@ own posted buffers), checked against the length it announced, and writes them on
 after the usual rkey and bounds checks. Both ends must be able to see each other (same host, same
 PID namespace, permission to read the other's memory): the requester puts 16 random bytes in its
 memory and the responder must read them back through process_vm_readv before the path is used,
-so a pid that names another process, or a peer on another host, falls back to TCP.
+so a pid that names another process, or a peer on another host, falls back to TCP; so does a
+peer in another network namespace (it stands for another site: its bytes must cross that network).
 Off with `EASYPYVERBS_SOFT_SAME_HOST=off` or `open_device(provider="soft", same_host=False)`; never
 used with a link model (that emulates a WAN).
 """
@@ -97,6 +98,15 @@ def usable(pid: int, addr: int, expect: bytes) -> bool:
     except OSError:
         return False
     return got.raw == expect
+
+
+def same_network_namespace(pid: int) -> bool:
+    """Is process `pid` in this process's network namespace? Peers in different namespaces stand for
+    different sites (e.g. a WAN testbed): their bytes must cross the network between them."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
 
 
 def self_test() -> Tuple[bool, str]:

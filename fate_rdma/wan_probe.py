@@ -1,0 +1,377 @@
+"""Processes that run inside a WAN-testbed site (`ip netns exec <site> python -m fate_rdma.wan_probe ...`).
+
+Each command prints one JSON object per line on stdout and exits 0 when it did what it was asked,
+1 when it failed (the JSON then has "error"), 2 on bad usage. Servers print {"ready": true, ...} once
+they listen, and stop when their stdin closes (so a parent that dies takes them with it) or when
+--deadline-s passes.
+
+  serve --host H                 UDP echo + TCP sink on one port; each TCP stream is answered with
+                                 {"bytes", "crc32c", "seconds"} after the sender shuts its side
+  measure --to H:P               RTT by UDP echo (one probe in flight, as ping) and a timed TCP stream
+  tcp-send --to H:P --bytes N    N seeded bytes over one TCP stream; the sink's count and crc32c back
+  channel-recv --host H --secret F       a fate-rdma Endpoint (soft provider) receiving --count messages
+  channel-send --host H --secret F --to ADDR --bytes N   N seeded bytes to ADDR (--reps times)
+  grpc-serve --host H / grpc-send --to H:P --bytes N     a gRPC client stream of N bytes, verified
+
+Payloads are `payload(n, seed)`: both sides of a test can name the bytes without sending them twice.
+Only the channel commands import the channel; the rest is the standard library and crc32c.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import crc32c
+
+STREAM_BUF_BYTES = 1 << 20   # send/receive granularity of the TCP stream (a multiple of any MSS)
+ECHO_MAGIC = b"FRWP"          # UDP probes: magic, sequence, send time; stray datagrams are ignored
+
+
+def payload(nbytes: int, seed: int) -> bytes:
+    """Deterministic test bytes (not all-zero, so a dropped or misplaced chunk changes the crc32c)."""
+    return random.Random(seed).randbytes(nbytes)
+
+
+def emit(obj: Dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _addr(s: str) -> Tuple[str, int]:
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"want HOST:PORT, got {s!r}")
+    return host, int(port)
+
+
+def _stdin_closed_or(deadline: float) -> None:
+    """Block until stdin reaches EOF or the deadline passes (a server's lifetime)."""
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([sys.stdin], [], [], min(1.0, max(0.0, deadline - time.monotonic())))
+        if r and not sys.stdin.buffer.read1(4096):
+            return
+
+
+# -- serve: UDP echo + TCP sink ---------------------------------------------------------------------
+def _sink(conn: socket.socket, idle_timeout_s: float) -> None:
+    conn.settimeout(idle_timeout_s)
+    buf = bytearray(STREAM_BUF_BYTES)
+    total, crc, t0 = 0, 0, None
+    try:
+        while True:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            if t0 is None:
+                t0 = time.perf_counter()
+            total += n
+            crc = crc32c.crc32c(memoryview(buf)[:n], crc)
+        dt = time.perf_counter() - t0 if t0 is not None else 0.0
+        conn.sendall(json.dumps({"bytes": total, "crc32c": crc, "seconds": dt}).encode() + b"\n")
+    except OSError:
+        pass  # the sender's side reports the failure; a sink must not die of one stream
+    finally:
+        conn.close()
+
+
+def serve(host: str, port: int, deadline_s: float, idle_timeout_s: float) -> int:
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind((host, port))
+    tcp = socket.create_server((host, udp.getsockname()[1]))
+    stop = threading.Event()
+
+    def echo() -> None:
+        udp.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                data, peer = udp.recvfrom(2048)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if data.startswith(ECHO_MAGIC):
+                udp.sendto(data, peer)
+
+    def accept() -> None:
+        tcp.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                conn, _ = tcp.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=_sink, args=(conn, idle_timeout_s), daemon=True).start()
+
+    threads = [threading.Thread(target=echo, daemon=True), threading.Thread(target=accept, daemon=True)]
+    for t in threads:
+        t.start()
+    emit({"ready": True, "address": f"{host}:{tcp.getsockname()[1]}"})
+    try:
+        _stdin_closed_or(time.monotonic() + deadline_s)
+    finally:
+        stop.set()
+        udp.close()
+        tcp.close()
+    return 0
+
+
+# -- clients ----------------------------------------------------------------------------------------
+def rtt_probe(to: Tuple[str, int], count: int, timeout_s: float) -> Dict[str, Any]:
+    """`count` UDP echoes, one in flight at a time; RTTs in ms, and how many got no answer in time."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect(to)
+    rtts: List[float] = []
+    lost = 0
+    try:
+        for seq in range(count):
+            t0 = time.perf_counter()
+            s.send(ECHO_MAGIC + struct.pack("!Id", seq, t0))
+            deadline = t0 + timeout_s
+            while True:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    lost += 1
+                    break
+                s.settimeout(left)
+                try:
+                    data = s.recv(2048)
+                except (socket.timeout, ConnectionRefusedError):
+                    lost += 1
+                    break
+                if data[:4] == ECHO_MAGIC and struct.unpack("!I", data[4:8])[0] == seq:
+                    rtts.append((time.perf_counter() - t0) * 1e3)
+                    break
+            time.sleep(0.02)  # ping's spirit: probes apart, not a burst through the queue
+    finally:
+        s.close()
+    out: Dict[str, Any] = {"probes": count, "lost": lost}
+    if rtts:
+        out.update(min_ms=min(rtts), median_ms=statistics.median(rtts), max_ms=max(rtts))
+    return out
+
+
+def tcp_stream(to: Tuple[str, int], data: Optional[bytes], seconds: float, timeout_s: float) -> Dict[str, Any]:
+    """Send `data` (or a repeated buffer for `seconds`) over one TCP connection; the sink's report back.
+
+    Throughput is bytes / (first send .. the sink's report), so bytes still queued count fully."""
+    crc, total = 0, 0
+    chunk = data if data is not None else payload(STREAM_BUF_BYTES, 7)
+    with socket.create_connection(to, timeout=timeout_s) as s:
+        s.settimeout(timeout_s)
+        t0 = time.perf_counter()
+        if data is not None:
+            mv = memoryview(data)
+            for off in range(0, len(data), STREAM_BUF_BYTES):
+                s.sendall(mv[off:off + STREAM_BUF_BYTES])
+            total, crc = len(data), crc32c.crc32c(data)
+        else:
+            while time.perf_counter() - t0 < seconds:
+                s.sendall(chunk)
+                total += len(chunk)
+                crc = crc32c.crc32c(chunk, crc)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            part = s.recv(4096)
+            if not part:
+                raise ConnectionError("the TCP sink closed without a report")
+            reply += part
+        dt = time.perf_counter() - t0
+    sink = json.loads(reply)
+    return {"bytes": total, "crc32c": crc, "seconds": dt, "bps": total * 8 / dt if dt > 0 else 0.0,
+            "sink": sink, "ok": sink["bytes"] == total and sink["crc32c"] == crc}
+
+
+# -- fate-rdma channel ------------------------------------------------------------------------------
+def _channel_config(args: argparse.Namespace) -> Any:
+    from .config import ChannelConfig
+
+    # same_host=False: the soft provider would otherwise copy straight from the sender's memory
+    # (process_vm_readv) between the namespaces of this one machine, and no byte would cross the link
+    window = args.window if args.window == "auto" else int(args.window)
+    return ChannelConfig(provider="soft", same_host=False, secret_file=args.secret, mode=args.mode,
+                         chunk_bytes=args.chunk_bytes, window=window,
+                         link_rate_bps=args.link_rate_mbit * 1e6 if args.link_rate_mbit else None,
+                         slot_bytes=args.slot_bytes, pool_slots=2, connect_timeout_s=args.timeout_s,
+                         no_progress_timeout_s=args.timeout_s, transfer_timeout_s=args.timeout_s)
+
+
+def channel_recv(args: argparse.Namespace) -> int:
+    from .channel import Endpoint
+
+    with Endpoint(_channel_config(args), host=args.host, port=args.port) as ep:
+        emit({"ready": True, "address": ep.address, "label": ep.label})
+        for _ in range(args.count):
+            msg = ep.recv(timeout=args.timeout_s)
+            try:
+                emit({"peer": msg.peer, "nbytes": msg.nbytes, "crc32c": crc32c.crc32c(msg.view),
+                      "mode": msg.mode, "metadata": msg.metadata})
+            finally:
+                msg.release()
+        # stay until the sender is done with us (its futures resolve on our verdicts)
+        _stdin_closed_or(time.monotonic() + args.timeout_s)
+    return 0
+
+
+def channel_send(args: argparse.Namespace) -> int:
+    from .channel import Endpoint
+
+    data = payload(args.bytes, args.seed)
+    crc = crc32c.crc32c(data)
+    with Endpoint(_channel_config(args), host=args.host) as ep:
+        if args.warmup:  # connect, authenticate and probe the RTT outside the timed transfers
+            ep.send(args.to, payload(args.chunk_bytes, 0), {"warmup": True}).result(timeout=args.timeout_s)
+        for rep in range(args.reps):
+            t0 = time.perf_counter()
+            info = ep.send(args.to, data, {"seed": args.seed, "rep": rep}).result(timeout=args.timeout_s)
+            dt = time.perf_counter() - t0
+            emit({"rep": rep, "bytes": len(data), "crc32c": crc, "seconds": dt, "bps": len(data) * 8 / dt,
+                  "label": ep.label, "info": info if isinstance(info, dict) else repr(info)})
+    return 0
+
+
+# -- gRPC client stream (what FATE-style federation over gRPC does with one large payload) ----------
+GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+
+def grpc_serve(args: argparse.Namespace) -> int:
+    import grpc
+    from concurrent import futures
+
+    def stream(request_iterator: Any, context: Any) -> bytes:
+        total, crc = 0, 0
+        for part in request_iterator:
+            total += len(part)
+            crc = crc32c.crc32c(part, crc)
+        return json.dumps({"bytes": total, "crc32c": crc}).encode()
+
+    ident = lambda b: b  # noqa: E731  raw bytes, no protobuf
+    handler = grpc.method_handlers_generic_handler("wan.Probe", {
+        "Stream": grpc.stream_unary_rpc_method_handler(stream, ident, ident)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(f"{args.host}:0")
+    server.start()
+    emit({"ready": True, "address": f"{args.host}:{port}"})
+    try:
+        _stdin_closed_or(time.monotonic() + args.deadline_s)
+    finally:
+        server.stop(0)
+    return 0
+
+
+def grpc_send(args: argparse.Namespace) -> int:
+    import grpc
+
+    data = payload(args.bytes, args.seed)
+    crc = crc32c.crc32c(data)
+    mv = memoryview(data)
+    with grpc.insecure_channel(f"{args.to[0]}:{args.to[1]}", options=GRPC_OPTIONS) as ch:
+        call = ch.stream_unary("/wan.Probe/Stream", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        call(iter([b"x"]), timeout=args.timeout_s)  # warm-up: the HTTP/2 connection outside the timed streams
+        for rep in range(args.reps):
+            parts = (bytes(mv[o:o + args.chunk_bytes]) for o in range(0, len(data), args.chunk_bytes))
+            t0 = time.perf_counter()
+            sink = json.loads(call(parts, timeout=args.timeout_s))
+            dt = time.perf_counter() - t0
+            ok = sink["bytes"] == len(data) and sink["crc32c"] == crc
+            emit({"rep": rep, "bytes": len(data), "crc32c": crc, "seconds": dt, "bps": len(data) * 8 / dt,
+                  "sink": sink, "ok": ok})
+            if not ok:
+                return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fate_rdma.wan_probe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--host", required=True)
+    s.add_argument("--port", type=int, default=0)
+    s.add_argument("--deadline-s", type=float, default=600.0)
+    s.add_argument("--idle-timeout-s", type=float, default=60.0, help="a TCP stream silent this long is dropped")
+    m = sub.add_parser("measure")
+    m.add_argument("--to", type=_addr, required=True)
+    m.add_argument("--pings", type=int, default=10)
+    m.add_argument("--seconds", type=float, default=2.0, help="length of the TCP stream (0: no stream)")
+    m.add_argument("--timeout-s", type=float, default=30.0)
+    g = sub.add_parser("grpc-serve")
+    g.add_argument("--host", required=True)
+    g.add_argument("--deadline-s", type=float, default=600.0)
+    g = sub.add_parser("grpc-send")
+    g.add_argument("--to", type=_addr, required=True)
+    g.add_argument("--bytes", type=int, required=True)
+    g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed message")
+    g.add_argument("--reps", type=int, default=1)
+    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--timeout-s", type=float, default=120.0)
+    t = sub.add_parser("tcp-send")
+    t.add_argument("--to", type=_addr, required=True)
+    t.add_argument("--bytes", type=int, required=True)
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--timeout-s", type=float, default=60.0)
+    for name in ("channel-recv", "channel-send"):
+        c = sub.add_parser(name)
+        c.add_argument("--host", required=True, help="this site's address (the endpoint binds it)")
+        c.add_argument("--secret", required=True, help="the federation secret file (non-loopback endpoints need one)")
+        c.add_argument("--mode", default="fedrdma-e", choices=["fedrdma", "fedrdma-e"])
+        c.add_argument("--chunk-bytes", type=int, default=1 << 20)
+        c.add_argument("--slot-bytes", type=int, default=64 << 20)
+        c.add_argument("--timeout-s", type=float, default=60.0)
+        c.add_argument("--window", default="auto", help="chunks in flight: a number (1 = the paper) or auto")
+        c.add_argument("--link-rate-mbit", type=float, default=0.0,
+                       help="nominal link rate for the automatic window (0: the channel's default)")
+        if name == "channel-recv":
+            c.add_argument("--port", type=int, default=0)
+            c.add_argument("--count", type=int, default=1)
+        else:
+            c.add_argument("--to", required=True, help="the receiver's HOST:PORT")
+            c.add_argument("--bytes", type=int, required=True)
+            c.add_argument("--seed", type=int, default=1)
+            c.add_argument("--reps", type=int, default=1, help="timed transfers, one JSON line each")
+            c.add_argument("--warmup", action="store_true", help="one untimed chunk first (connect, RTT probe)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "serve":
+            return serve(args.host, args.port, args.deadline_s, args.idle_timeout_s)
+        if args.cmd == "measure":
+            out: Dict[str, Any] = {"rtt": rtt_probe(args.to, args.pings, min(args.timeout_s, 2.0))}
+            if args.seconds > 0:
+                out["tcp"] = tcp_stream(args.to, None, args.seconds, args.timeout_s)
+            emit(out)
+            return 0
+        if args.cmd == "tcp-send":
+            out = tcp_stream(args.to, payload(args.bytes, args.seed), 0.0, args.timeout_s)
+            emit(out)
+            return 0 if out["ok"] else 1
+        if args.cmd == "channel-recv":
+            return channel_recv(args)
+        if args.cmd == "grpc-serve":
+            return grpc_serve(args)
+        if args.cmd == "grpc-send":
+            return grpc_send(args)
+        return channel_send(args)
+    except Exception as exc:  # one line the parent can show: which command, what failed
+        emit({"error": f"{args.cmd}: {type(exc).__name__}: {exc}"})
+        return 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

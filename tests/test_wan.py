@@ -1,0 +1,204 @@
+"""WAN testbed smoke test (issue 14): real namespaces, a shaped link, bytes through fate-rdma and TCP, nothing left.
+
+Needs root, iproute2, nftables (loss), a C compiler and /dev/net/tun (delay); skips with the reason
+otherwise. About 30 s: the link is 50 Mbit/s with 10 ms RTT, 0.1 % loss and 0.5 % reordering.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fate_rdma import wan
+from fate_rdma.cli import main as cli_main
+from fate_rdma.wan_run import SiteProcess, check_transfer, link_rx_bytes
+
+RATE_BPS = 50_000_000
+LINK = wan.LinkSpec(rate_bps=RATE_BPS, delay_ms=5.0, loss_pct=0.1, reorder_pct=0.5, reorder_gap_ms=2.0)
+PAYLOAD_BYTES = 4 << 20
+
+
+def _skip_reason() -> str:
+    problem = wan.host_problem() or wan.spec_problem(wan.Testbed(links=(LINK, LINK)))
+    if problem:
+        return problem
+    probe = f"frwtprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=20)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
+    return ""
+
+
+@pytest.fixture(scope="module")
+def can_build() -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"WAN testbed cannot be built here: {reason}")
+
+
+@pytest.fixture
+def prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("FATE_RDMA_WAN_STATE", str(tmp_path / "state"))
+    return f"frwt{os.getpid() % 100000}"
+
+
+def _host_snapshot() -> dict:
+    """What the testbed must never touch or leave behind in the host namespace."""
+    def out(argv: list) -> str:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout
+
+    return {"links": out(["ip", "-o", "link", "show"]).count("\n"), "qdiscs": out(["tc", "qdisc", "show"]),
+            "rules": out(["ip", "rule", "show"]), "nft": out(["nft", "list", "ruleset"]) if shutil.which("nft") else ""}
+
+
+def _our_processes(prefix: str) -> list:
+    """Live processes that belong to this test's testbed: the helper, or wan_probe children of this process."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"{prefix}-delay" in cmd or (ppid == os.getpid() and "wan_probe" in cmd):
+            found.append(f"{p.name}: {cmd}")
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_wan_smoke(can_build: None, prefix: str, capsys: pytest.CaptureFixture) -> None:
+    tb = wan.Testbed(links=(LINK, LINK), prefix=prefix)
+    before = _host_snapshot()
+    try:
+        state = wan.up(tb, measure_seconds=1.0)
+        m = state["measured"]
+        print(f"\n{m['rtt']} tcp {wan.fmt_rate(m['tcp']['bps'])}\n{m['note']}")
+        # the delay helper holds each packet 5 ms per direction: no RTT below 10 ms can cross it
+        assert m["rtt"]["probes"] - m["rtt"]["lost"] >= 5, m
+        assert 9.5 <= m["rtt"]["min_ms"] < 500, m
+        assert m["tcp"]["ok"], m
+        # tbf at 50 Mbit/s: a correctness bound (the shaper is in place), not a speed target
+        assert m["tcp"]["bps"] <= RATE_BPS * 1.15, m
+        assert "scaled rate 50 Mbit/s" in m["note"] and "cannot be reproduced on 2 cores" in m["note"]
+
+        st = wan.status(prefix)
+        assert list(st["namespaces"]) == [tb.router, tb.site_ns(0), tb.site_ns(1)]
+        assert sum(len(i["qdiscs"]) for i in st["namespaces"].values()) == 4  # each link, both directions
+        assert "numgen random mod 1000000 < 1000" in st["namespaces"][tb.router]["nft"]
+        assert st["helper"]["alive"], st
+
+        res = check_transfer(tb, PAYLOAD_BYTES, timeout_s=60)
+        print(res)
+        assert res["channel"]["ok"] and res["channel"]["crc32c"] == res["channel"]["received_crc32c"]
+        assert res["tcp"]["ok"] and res["tcp"]["crc32c"] == res["tcp"]["received_crc32c"]
+        assert res["channel"]["link_bytes"] >= PAYLOAD_BYTES and res["tcp"]["link_bytes"] >= PAYLOAD_BYTES
+        assert "emulated" in res["channel"]["label"]
+        # a failing in-site process is an error that names it, not a hang
+        with pytest.raises(wan.WanError, match="tcp-send: ConnectionRefusedError"):
+            with SiteProcess(tb, 0, ["tcp-send", "--to", f"{tb.site_addr(1)}:9", "--bytes", "1"]) as proc:
+                proc.line(30)
+
+        # loss and reordering happened, per packet: each drop is one MTU frame, not a 64 KB TSO burst
+        st = wan.status(prefix)
+        drops = re.search(r'saddr 198\.18\.1\.0/24 .* packets (\d+) bytes (\d+) drop', st["namespaces"][tb.router]["nft"])
+        assert drops, st["namespaces"][tb.router]["nft"]
+        if int(drops.group(1)):
+            assert int(drops.group(2)) / int(drops.group(1)) <= 1514, drops.group(0)
+        assert st["helper"]["stats"]["reordered"] > 0 and st["helper"]["stats"]["overflow"] == 0, st["helper"]
+
+        # up twice: reshapes in place, a process inside a site survives, the new shape applies
+        sleeper = subprocess.Popen(wan.in_ns(tb.site_ns(0), ["sleep", "60"]))
+        try:
+            counted = link_rx_bytes(tb, 0)
+            wan.up(wan.Testbed(links=(LINK, wan.LinkSpec(rate_bps=20_000_000, delay_ms=5.0)), prefix=prefix),
+                   measure_seconds=-1)
+            assert sleeper.poll() is None, "reshaping killed a process inside a site"
+            assert link_rx_bytes(tb, 0) >= counted, "reshaping recreated the link"
+            st = wan.status(prefix)
+            assert any("rate 20Mbit" in q for q in st["namespaces"][tb.site_ns(1)]["qdiscs"]), st
+            assert st["helper"]["alive"] and st["helper"]["pid"] != state["helper_pid"]
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+    finally:
+        removed = wan.down(prefix)
+    assert removed, "down found nothing to remove"
+    assert wan.leftovers(prefix) == []
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                                          timeout=20).stdout.split() if n.startswith(prefix)]
+    assert _our_processes(prefix) == []
+    assert _host_snapshot() == before, "the host namespace changed (links, qdiscs, rules or nft)"
+
+
+@pytest.mark.timeout(60)
+def test_failed_up_removes_everything(can_build: None, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> Path:
+        raise wan.WanError("compiler exploded (injected)")
+
+    monkeypatch.setattr(wan, "build_helper", broken)
+    with pytest.raises(wan.WanError, match="injected"):
+        wan.up(wan.Testbed(links=(LINK, LINK), prefix=prefix), measure_seconds=-1)
+    assert wan.leftovers(prefix) == []
+    assert wan.existing_namespaces(prefix) == []
+
+
+def test_cli_usage_errors(capsys: pytest.CaptureFixture) -> None:
+    # no root needed: rejected before anything is made
+    assert cli_main(["wan", "up", "--link", "z:rate_mbit=5"]) == 2
+    assert "SITE" in capsys.readouterr().err
+    assert cli_main(["wan", "up", "--link", "a:speed=5"]) == 2
+    assert "unknown key 'speed'" in capsys.readouterr().err
+    assert cli_main(["wan", "up", "--loss-pct", "100"]) == 2
+    assert cli_main(["wan", "up", "--prefix", "Bad_Name"]) == 2
+    with pytest.raises(SystemExit) as ex:
+        cli_main(["wan", "--help"])
+    assert ex.value.code == 0
+    assert "netem is not in this kernel" in capsys.readouterr().out
+
+
+def test_helper_compiles_without_warnings(tmp_path: Path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler (apt-get install gcc): the delay helper is compiled at `wan up`")
+    out = subprocess.run([cc, "-O2", "-std=gnu99", "-Wall", "-Wextra", "-Werror", "-o", str(tmp_path / "h"),
+                          str(wan.helper_source())], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    usage = subprocess.run([str(tmp_path / "h"), "--rule", "bad"], capture_output=True, text=True, timeout=10)
+    assert usage.returncode == 2 and "bad --rule" in usage.stderr
+
+
+def test_not_root_is_a_clear_refusal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    for action in (["up"], ["down"], ["status"], ["check"]):
+        assert cli_main(["wan", *action]) == 3
+        assert "needs root" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_eval_link_quick(can_build: None, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The evaluation's quick mode end to end: every transport on one shaped link, verified, written, removed."""
+    rc = cli_main(["eval", "link", "--links", "50:10:0", "--chunks", "65536", "--bytes", str(2 << 20), "--reps", "1",
+                   "--out", str(tmp_path / "eval"), "--prefix", prefix])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    (run,) = list((tmp_path / "eval").iterdir())
+    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    assert [r["transport"] for r in rows] == ["tcp stream", "grpc stream", "fedrdma w=1", "fedrdma auto",
+                                              "fedrdma-e w=1", "fedrdma-e auto"]
+    assert all(r["verified"] and r["median_s"] > 0 and r["bytes"] == 2 << 20 for r in rows)
+    assert all("scaled rate 50 Mbit/s" in r["note"] for r in rows)
+    assert [r["window_used"] for r in rows if r["window"] == "1"] == [[1], [1]]
+    table = (run / "table.md").read_text()
+    assert "| fedrdma-e auto | 64 KiB | 1.05 |" in table and "cannot be reproduced on 2 cores" in table
+    if importlib.util.find_spec("matplotlib"):
+        assert (run / "link_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
