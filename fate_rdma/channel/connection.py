@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import select
+import socket
 import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -421,6 +423,8 @@ class Connection:
     def _tick(self, now: float) -> None:
         if self.probe.overdue(now, self.cfg.connect_timeout_s):
             raise PeerUnreachable(f"{self.peer} did not answer the RTT probe within {self.cfg.connect_timeout_s} s")
+        if self._bootstrap_closed():
+            raise PeerUnreachable(f"{self.peer} closed its end of the connection (its process or endpoint ended)")
         a = self._active
         if a is not None and a.error is None:
             try:
@@ -432,6 +436,21 @@ class Connection:
             self.slot_sender.tick(now)
         if self.staged_receiver is not None:
             self.staged_receiver.tick(now)
+
+    def _bootstrap_closed(self) -> bool:
+        """Both sides keep the bootstrap socket for the connection's lifetime, so its end of file means the
+        peer is gone. An RC QP alone notices that only when a WR of ours goes unanswered, which an
+        idle sender waiting for ACKs (FedRDMA) never posts: a real NIC's QP would wait for the
+        no-progress deadline."""
+        sock = self.boot.sock
+        try:
+            if not select.select([sock], [], [], 0)[0]:  # (a peek on a socket with a timeout would wait)
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):
+            return True
 
     # -- teardown -------------------------------------------------------------------------------
     def _die(self, exc: BaseException, quiet: bool = False) -> None:
