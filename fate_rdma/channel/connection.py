@@ -14,8 +14,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import select
-import socket
 import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -24,25 +22,22 @@ import easypyverbs as ev
 
 from .. import protocol as P
 from ..config import ChannelConfig
-from ..errors import (ConfigError, FateRdmaError, IntegrityError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
-                      TransferCancelled, TransferError, TransferTimeout)
+from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
+                      TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
 from ..protocol.policy import Mode, auto_window, choose_mode, first_chunk_bytes, NOMINAL_RATE_BPS
 from .checksum import payload_checksum_async
-from .control import ControlSender, RttProbe
+from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .auth import Identity
-from .handshake import Hello, PoolOffer, StagingOffer, confirm_posted, exchange_hello
+from .handshake import Hello, PoolOffer, StagingOffer, bootstrap_closed, confirm_posted, exchange_hello
 from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
 from .transfer import Message, Payload, TransferFuture, group_sges
 
 log = logging.getLogger("fate_rdma.channel")
 
-#: what the peer's ERROR code means here
-_ERR = {ErrorCode.INTEGRITY: IntegrityError, ErrorCode.TOO_LARGE: PayloadTooLarge, ErrorCode.PROTOCOL: RemoteProtocolError,
-        ErrorCode.TIMEOUT: TransferTimeout}
 RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up from 1
 
 
@@ -371,37 +366,7 @@ class Connection:
         self._on_ctrl(P.decode_ctrl(raw))
 
     def _on_ctrl(self, c: P.Ctrl) -> None:
-        a = self._active
-        if c.kind is CtrlKind.ACK:
-            if self.staged_sender is None:
-                raise RemoteProtocolError(f"{self.peer} sent an ACK; this side never wrote to its staging buffers")
-            self.staged_sender.on_ack(c, a)
-        elif c.kind is CtrlKind.CREDIT:
-            if self.slot_sender is None:
-                raise RemoteProtocolError(f"{self.peer} sent a CREDIT; it offered no receive pool")
-            self.slot_sender.on_credit(int(c.value), int(c.aux))
-        elif c.kind is CtrlKind.CANCEL:
-            if a is not None and a.fut.transfer_id == c.transfer_id:
-                self.fail_out(a, TransferCancelled(f"transfer {c.transfer_id} cancelled by {self.peer}: {c.reason}",
-                                                   c.transfer_id), tell_peer=False)
-            elif self.staged_receiver is not None and self.staged_receiver.on_cancel(c.transfer_id):
-                log.info("transfer %d from %s cancelled by the sender", c.transfer_id, self.peer)
-        elif c.kind is CtrlKind.DONE:
-            if self.slot_sender is not None:
-                self.slot_sender.on_done(c.transfer_id, a)
-        elif c.kind is CtrlKind.ERROR:
-            target = self.slot_sender.placed.get(c.transfer_id) if self.slot_sender is not None else None
-            target = target or (a if a is not None and a.fut.transfer_id == c.transfer_id else None)
-            if target is not None:
-                cls = _ERR.get(ErrorCode(c.value), TransferError) if c.value in ErrorCode.__members__.values() else TransferError
-                why = f"transfer {c.transfer_id} refused by {self.peer}: {c.reason}"
-                exc = cls(why, c.transfer_id) if issubclass(cls, TransferError) else cls(why)
-                self.fail_out(target, exc, tell_peer=False)
-        elif c.kind is CtrlKind.PROBE:
-            self.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
-        elif c.kind is CtrlKind.PROBE_REPLY:
-            if self.probe.on_reply(int(c.value), time.monotonic()):
-                log.info("connection to %s: RTT %.3f ms, window %d", self.peer, self.probe.rtt_s * 1e3, self._window())  # type: ignore[operator]
+        dispatch(self, c, self._active)
 
     # -- receive side helpers (called by the modes) ---------------------------------------------
     def refuse(self, tid: int, code: ErrorCode, reason: str) -> None:
@@ -423,7 +388,7 @@ class Connection:
     def _tick(self, now: float) -> None:
         if self.probe.overdue(now, self.cfg.connect_timeout_s):
             raise PeerUnreachable(f"{self.peer} did not answer the RTT probe within {self.cfg.connect_timeout_s} s")
-        if self._bootstrap_closed():
+        if bootstrap_closed(self.boot):
             raise PeerUnreachable(f"{self.peer} closed its end of the connection (its process or endpoint ended)")
         a = self._active
         if a is not None and a.error is None:
@@ -436,21 +401,6 @@ class Connection:
             self.slot_sender.tick(now)
         if self.staged_receiver is not None:
             self.staged_receiver.tick(now)
-
-    def _bootstrap_closed(self) -> bool:
-        """Both sides keep the bootstrap socket for the connection's lifetime, so its end of file means the
-        peer is gone. An RC QP alone notices that only when a WR of ours goes unanswered, which an
-        idle sender waiting for ACKs (FedRDMA) never posts: a real NIC's QP would wait for the
-        no-progress deadline."""
-        sock = self.boot.sock
-        try:
-            if not select.select([sock], [], [], 0)[0]:  # (a peek on a socket with a timeout would wait)
-                return False
-            return sock.recv(1, socket.MSG_PEEK) == b""
-        except (BlockingIOError, InterruptedError):
-            return False
-        except (OSError, ValueError):
-            return True
 
     # -- teardown -------------------------------------------------------------------------------
     def _die(self, exc: BaseException, quiet: bool = False) -> None:

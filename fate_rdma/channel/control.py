@@ -1,14 +1,18 @@
-"""Control frames of a connection (SENDs on QP 0), and the RTT probe that sizes the auto window."""
+"""Control frames of a connection (SENDs on QP 0): sending them, dispatching the peer's, and the RTT
+probe that sizes the auto window."""
 from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Deque, Dict, List, Optional
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import easypyverbs as ev
 
 from .. import protocol as P
-from ..protocol.frames import CtrlKind
+from ..errors import (IntegrityError, PayloadTooLarge, RemoteProtocolError, TransferCancelled, TransferError,
+                      TransferTimeout)
+from ..protocol.frames import CtrlKind, ErrorCode
 from .layout import LocalMemory
 
 log = logging.getLogger("fate_rdma.channel")
@@ -71,3 +75,42 @@ class RttProbe:
     def overdue(self, now: float, timeout_s: float) -> bool:
         """A probe has gone unanswered for `timeout_s`."""
         return self.rtt_s is None and bool(self._sent) and now - min(self._sent.values()) > timeout_s
+
+
+#: what the peer's ERROR code means here
+_ERR = {ErrorCode.INTEGRITY: IntegrityError, ErrorCode.TOO_LARGE: PayloadTooLarge, ErrorCode.PROTOCOL: RemoteProtocolError,
+        ErrorCode.TIMEOUT: TransferTimeout}
+
+
+def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
+    """A control frame from the peer, to the part of `conn` it concerns (`a`: the active outgoing transfer)."""
+    if c.kind is CtrlKind.ACK:
+        if conn.staged_sender is None:
+            raise RemoteProtocolError(f"{conn.peer} sent an ACK; this side never wrote to its staging buffers")
+        conn.staged_sender.on_ack(c, a)
+    elif c.kind is CtrlKind.CREDIT:
+        if conn.slot_sender is None:
+            raise RemoteProtocolError(f"{conn.peer} sent a CREDIT; it offered no receive pool")
+        conn.slot_sender.on_credit(int(c.value), int(c.aux))
+    elif c.kind is CtrlKind.CANCEL:
+        if a is not None and a.fut.transfer_id == c.transfer_id:
+            conn.fail_out(a, TransferCancelled(f"transfer {c.transfer_id} cancelled by {conn.peer}: {c.reason}",
+                                               c.transfer_id), tell_peer=False)
+        elif conn.staged_receiver is not None and conn.staged_receiver.on_cancel(c.transfer_id):
+            log.info("transfer %d from %s cancelled by the sender", c.transfer_id, conn.peer)
+    elif c.kind is CtrlKind.DONE:
+        if conn.slot_sender is not None:
+            conn.slot_sender.on_done(c.transfer_id, a)
+    elif c.kind is CtrlKind.ERROR:
+        target = conn.slot_sender.placed.get(c.transfer_id) if conn.slot_sender is not None else None
+        target = target or (a if a is not None and a.fut.transfer_id == c.transfer_id else None)
+        if target is not None:
+            cls = _ERR.get(ErrorCode(c.value), TransferError) if c.value in ErrorCode.__members__.values() else TransferError
+            why = f"transfer {c.transfer_id} refused by {conn.peer}: {c.reason}"
+            exc = cls(why, c.transfer_id) if issubclass(cls, TransferError) else cls(why)
+            conn.fail_out(target, exc, tell_peer=False)
+    elif c.kind is CtrlKind.PROBE:
+        conn.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
+    elif c.kind is CtrlKind.PROBE_REPLY:
+        if conn.probe.on_reply(int(c.value), time.monotonic()):
+            log.info("connection to %s: RTT %.3f ms, window %d", conn.peer, conn.probe.rtt_s * 1e3, conn._window())  # type: ignore[operator]

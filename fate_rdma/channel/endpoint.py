@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Dict, Iterable, List, Optional
 
 import easypyverbs as ev
@@ -124,12 +125,27 @@ class Endpoint:
                 if conn is not None and conn.dead is None:
                     return conn
             host, _, port = address.rpartition(":")
+            deadline = time.monotonic() + self.config.connect_timeout_s
+            while True:
+                try:
+                    boot = ev.connect(host, int(port), timeout_s=max(0.1, deadline - time.monotonic()))
+                except (ev.EasyVerbsError, OSError, ValueError) as exc:
+                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+                try:
+                    who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
+                except ev.BootstrapError as exc:
+                    boot.close()
+                    # closed before its first answer: the peer is at its cap of pending handshakes (strangers
+                    # hold them until their deadline); try again within connect_timeout_s
+                    if ("closed" in str(exc) or "connection lost" in str(exc)) and time.monotonic() + 0.2 < deadline:
+                        time.sleep(0.2)
+                        continue
+                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+                except BaseException:
+                    boot.close()
+                    raise
+                break
             try:
-                boot = ev.connect(host, int(port), timeout_s=self.config.connect_timeout_s)
-            except (ev.EasyVerbsError, OSError, ValueError) as exc:
-                raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
-            try:
-                who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
                 if who.authenticated and who.name != address:
                     raise AuthenticationError(f"the endpoint at {address} proved it is {who.name!r}, not {address!r}")
                 conn = Connection(self, boot, dialer=True, identity=who)

@@ -16,6 +16,8 @@ Hello (version 1):
 from __future__ import annotations
 
 import dataclasses
+import select
+import socket
 from typing import Any, Dict, Mapping, Optional
 
 import easypyverbs as ev
@@ -148,3 +150,19 @@ def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:
     reply = boot.exchange({"posted": True}, timeout_s)
     if not isinstance(reply, dict) or reply.get("posted") is not True:
         raise RemoteProtocolError(f"peer at {boot.peer} did not finish connection set-up")
+
+
+def bootstrap_closed(boot: ev.BootstrapConn) -> bool:
+    """Both sides keep the bootstrap socket for the connection's lifetime, so its end of file means the
+    peer is gone. An RC QP alone notices that only when a WR of ours goes unanswered, which an
+    idle sender waiting for ACKs (FedRDMA) never posts: a real NIC's QP would wait for the
+    no-progress deadline."""
+    sock = boot.sock
+    try:
+        if not select.select([sock], [], [], 0)[0]:  # (a peek on a socket with a timeout would wait)
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True

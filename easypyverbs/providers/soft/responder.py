@@ -1,0 +1,194 @@
+"""Soft provider: the responder side of an RC queue pair (the emulated NIC's work for a peer's requests).
+
+One thread per QP reads the requester's frames, checks each request against the MR table (rkey, bounds,
+access) and the posted receives, places the bytes (from the socket, or with the same-host path straight
+from the requester's memory, samehost.py), and answers ACK/NAK, delayed by the link model if any.
+`SoftQP` (qp.py) mixes this in; the requester side and the QP's lifetime stay there.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, List, Optional
+
+from ...buffers import address_of
+from ...enums import Access, QPState, WCOpcode, WCStatus
+from ...errors import UsageError
+from ...types import WC
+from . import samehost, wire
+from .link import DelayLine
+
+#: answers to back-to-back WRITEs are coalesced (one cumulative ACK), but at least once per this many
+#: bytes: a sender whose window is counted in completed WRITEs must see them complete while it streams,
+#: or a window of W chunks fills the link only once per W chunks (measured: fedrdma-e needed 2.5x the
+#: window of fedrdma on a 100 Mbit/s x 20 ms testbed link before this bound)
+ACK_EVERY_BYTES = 1 << 20
+PSN_MASK = 0xFFFFFF
+_OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
+
+
+class Responder:
+    """The responder half of SoftQP (uses its queues, condition variable, CQs and error handling)."""
+
+    # -- responder ------------------------------------------------------------------------------
+    def _take_recv(self) -> Optional[Any]:
+        deadline = time.monotonic() + self.ctx.rnr_timeout_s  # type: ignore[attr-defined]
+        with self._cv:
+            while not self._recv_q and self._st != QPState.ERR and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            return self._recv_q.popleft() if self._recv_q else None
+
+    def _lookup(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[memoryview]:
+        mr = self.ctx.mr_by_rkey(rkey)  # type: ignore[attr-defined]
+        if mr is None or mr.pd is not self.pd or not mr.access & need:
+            return None
+        if raddr < mr.addr or raddr + length > mr.addr + mr.length:
+            return None
+        try:
+            return mr.view(raddr - mr.addr, length)
+        except UsageError:  # deregistered meanwhile
+            return None
+
+    def _respond_loop(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
+        hdr = memoryview(bytearray(wire.REQ.size))
+        expected = psn
+        while True:
+            try:
+                wire.recv_exactly_into(sock, hdr)
+                magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
+                due = time.monotonic() + due_us / 1e6 + fwd_delay_s
+                op, has_imm, pull = opcode & 0x3F, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
+                if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected \
+                        or (pull and (not self._pull_pid or op == wire.OP_READ)):
+                    self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
+                    return
+                expected = (expected + 1) & PSN_MASK
+                spans = self._read_spans(sock, length) if pull else None
+                if pull and spans is None:
+                    self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
+                    return
+                self._serve(sock, op, has_imm, psn, length, raddr, rkey, imm, due, spans)
+            except (OSError, wire.PeerClosed) as exc:
+                with self._cv:
+                    acks_pending = bool(self._inflight)
+                # with sends in flight, the ack reader sees the peer's last answer (a NAK, say) and
+                # then the closed connection itself, and errors the QP with the right statuses
+                if not self._closing and not acks_pending:
+                    self._enter_error(WCStatus.WR_FLUSH_ERR, f"peer disconnected: {exc}")
+                return
+            except UsageError as exc:  # a posted receive's MR was deregistered
+                self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
+                return
+
+    def _read_spans(self, sock: socket.socket, length: int) -> Optional[List[Any]]:
+        """The (address, length) spans of a same-host request; None if they do not add up to `length`."""
+        (count,) = wire.PULL_COUNT.unpack(wire.recv_exactly(sock, wire.PULL_COUNT.size))
+        if count > wire.MAX_PULL_SPANS:
+            return None
+        raw = wire.recv_exactly(sock, count * wire.PULL_SPAN.size)
+        spans = [wire.PULL_SPAN.unpack_from(raw, i * wire.PULL_SPAN.size) for i in range(count)]
+        return spans if sum(n for _, n in spans) == length else None
+
+    def _place(self, sock: socket.socket, spans: Optional[List[Any]], targets: List[memoryview], due: float,
+               psn: int) -> bool:
+        """Fill `targets` with the request's payload: from the socket, or (same-host path) straight from
+        the requester's memory. False (the request answered with an error, the QP failing) if the
+        requester's memory cannot be read."""
+        if spans is None:
+            for t in targets:
+                wire.recv_exactly_into(sock, t)
+            return True
+        try:
+            samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
+        except OSError as exc:
+            self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
+                         why=f"cannot read the requester's memory: {exc}")
+            return False
+        return True
+
+    def _serve(self, sock: socket.socket, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
+               imm: int, due: float, spans: Optional[List[Any]] = None) -> None:
+        if op == wire.OP_READ:
+            view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
+            if view is None:
+                self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
+            else:
+                self._answer(sock, due, wire.READ_RESP, psn, WCStatus.SUCCESS, payload=view)
+            return
+        if op == wire.OP_WRITE:
+            view = self._lookup(rkey, raddr, length, Access.REMOTE_WRITE)
+            if view is None:
+                self._drain(sock, length, spans)
+                self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
+                return
+            recv = self._take_recv() if has_imm else None
+            if has_imm and recv is None:
+                self._drain(sock, length, spans)
+                self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
+                return
+            if not self._place(sock, spans, [view], due, psn):
+                return
+            if (recv is None and self._resp_line is None and due <= time.monotonic()
+                    and self._unacked_bytes + length < ACK_EVERY_BYTES and wire.more_pending(sock)):
+                self._unacked_bytes += length
+                return  # the next request is already arriving: its answer acknowledges this one too
+            self._unacked_bytes = 0
+            wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
+            self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
+            return
+        recv = self._take_recv()  # SEND
+        if recv is None:
+            self._drain(sock, length, spans)
+            self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
+            return
+        wr_id, sges = recv
+        if length > sum(s.length for s in sges):
+            self._drain(sock, length, spans)
+            wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qpn)
+            self._answer(sock, due, wire.NAK, psn, WCStatus.REM_INV_REQ_ERR, wc=wc, then_error=True)
+            return
+        left, targets = length, []
+        for s in sges:
+            k = min(left, s.length)
+            if k:
+                targets.append(s.view()[:k])
+            left -= k
+        if not self._place(sock, spans, targets, due, psn):
+            return
+        wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
+        self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
+
+    def _drain(self, sock: socket.socket, length: int, spans: Optional[List[Any]] = None) -> None:
+        if spans is not None:
+            return  # same-host path: the payload never came over the socket
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(1 << 20))
+        wire.drain(sock, length, self._scratch)
+
+    def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
+                wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False,
+                why: str = "") -> None:
+        def deliver() -> None:
+            if then_error:
+                self._err_seen = True
+            if wc is not None:
+                self.recv_cq.push(wc)  # type: ignore[attr-defined]
+            try:
+                with self._resp_lock:
+                    n = payload.nbytes if payload is not None else 0
+                    wire.send_buffers(sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, kind, psn, int(status), n))]
+                                      + ([payload] if payload is not None else []))
+            except OSError:
+                pass  # the requester notices the lost connection itself
+            if then_error:
+                self._enter_error(WCStatus.WR_FLUSH_ERR, why or f"receive failed with {wc.status.name if wc else status.name}")
+
+        if self._resp_line is None and due > time.monotonic():
+            self._resp_line = DelayLine(f"soft-qp{self.qpn}-respdelay")
+        if self._resp_line is not None:
+            self._resp_line.submit(due, deliver)
+        else:
+            deliver()
