@@ -16,6 +16,8 @@ import urllib.request
 from base64 import b64encode
 from typing import Dict, List, Optional
 
+from fate_rdma.bench.fate_federation import free_ports
+
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 INSTALL_HINT = "run deploy/install-rabbitmq.sh as root (`make test` does), i.e. apt-get install rabbitmq-server"
 
@@ -30,16 +32,6 @@ def unavailable() -> Optional[str]:
         if not any(os.access(os.path.join(d, tool), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/bin"]):
             return f"Erlang's `{tool}` is not on PATH (it comes with rabbitmq-server): {INSTALL_HINT}"
     return None
-
-
-def _free_ports(n: int) -> List[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def listening(port: int) -> bool:
@@ -58,7 +50,7 @@ class RabbitNode:
         self.base = os.path.abspath(base)
         self.name = f"fate-rdma-test-{secrets.token_hex(4)}@localhost"
         self.password = secrets.token_hex(8)
-        self.amqp_port, self.mng_port, self.dist_port, self.epmd_port = _free_ports(4)
+        self.amqp_port, self.mng_port, self.dist_port, self.epmd_port = free_ports(4)
         self.proc: Optional[subprocess.Popen] = None
         self.epmd: Optional[subprocess.Popen] = None
         self.pids: List[int] = []
