@@ -9,7 +9,9 @@
     qp.post_write(mr.sge(0, 4096), remote_mr, wr_id=1)
     cq.wait(timeout_s=5)
 
-The soft provider emulates verbs over TCP and says so ("soft (emulated verbs over TCP)").
+The soft provider emulates verbs over TCP and says so ("soft (emulated verbs over TCP)");
+`open_device(provider="soft", tls=MutualTLS.from_files(cert, key, ca))` puts its data connections in
+mutual TLS.
 """
 from .api import CQ, MR, PD, QP, SGE, Context
 from .bootstrap import BootstrapConn, Listener, connect
@@ -20,13 +22,14 @@ from .errors import (BootstrapError, CompletionError, EasyVerbsError, NoDeviceEr
                      UsageError)
 from .providers.soft.link import LinkModel
 from .resource import live_resources
+from .tls import MutualTLS
 from .types import WC, DeviceInfo, PortInfo, QPCap, QPInfo, RemoteMR
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Access", "BootstrapConn", "BootstrapError", "CQ", "CompletionError", "Context", "DeviceInfo",
-    "EasyVerbsError", "LinkModel", "Listener", "MR", "NoDeviceError", "PD", "PollTimeout", "PortInfo",
+    "EasyVerbsError", "LinkModel", "Listener", "MR", "MutualTLS", "NoDeviceError", "PD", "PollTimeout", "PortInfo",
     "QP", "QPCap", "QPInfo", "QPState", "RCConnection", "RemoteMR", "SGE", "UsageError", "WC",
     "WCOpcode", "WCStatus", "choose_provider", "connect", "establish", "live_resources", "open_device",
 ]

@@ -46,10 +46,12 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> byte
 class BootstrapConn:
     """A connected bootstrap socket exchanging JSON objects."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: Optional[Tuple[str, int]] = None) -> None:
+        """`peer`: the peer's address where known (a socket wrapped after connecting, e.g. in TLS,
+        whose peer may already have closed it)."""
         self.sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.peer: Tuple[str, int] = sock.getpeername()[:2]
+        self.peer: Tuple[str, int] = peer or sock.getpeername()[:2]
         self.local: Tuple[str, int] = sock.getsockname()[:2]
 
     def send(self, obj: Dict[str, Any], timeout_s: float = 10.0) -> None:
@@ -65,6 +67,9 @@ class BootstrapConn:
     def recv(self, timeout_s: float = 10.0) -> Dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         magic, version, kind, _, length = HEADER.unpack(_recv_exact(self.sock, HEADER.size, deadline, "bootstrap header"))
+        if magic != MAGIC and magic[:1] == b"\x16":  # a TLS handshake record
+            raise BootstrapError(f"bootstrap peer {self.peer} speaks TLS (it sent a TLS ClientHello); this side "
+                                 f"does not: TLS is on there and off here")
         if magic != MAGIC:
             raise BootstrapError(f"bootstrap peer {self.peer} sent garbage (magic {magic!r}, expected {MAGIC!r})")
         if version != VERSION or kind != KIND_JSON:

@@ -52,7 +52,8 @@ def open_device(
     link: soft provider only, a `LinkModel` or a string like "rate=10gbit,rtt=20ms,loss=0.0001";
         defaults to `EASYPYVERBS_SOFT_LINK` if set.
     options: provider-specific: soft takes bind_host, advertise_host, max_msg_bytes,
-        rnr_timeout_s, retry_timeout_s; pyverbs takes port_num, gid_index.
+        rnr_timeout_s, retry_timeout_s, same_host, tls (an `easypyverbs.tls.MutualTLS`: mutual TLS
+        on every data connection); pyverbs takes port_num, gid_index.
     """
     requested = provider or os.environ.get("EASYPYVERBS_PROVIDER", "auto")
     chosen, why = choose_provider(requested)

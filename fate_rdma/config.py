@@ -14,6 +14,27 @@ MiB = 1 << 20
 MODES = ("fedrdma", "fedrdma-e")
 
 
+def _tls_files_problem(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[str]:
+    """What is wrong with tls: true's files (None: nothing). Reads permissions only, never the key."""
+    import os
+    import stat
+
+    missing = [n for n, v in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)) if not v]
+    if missing:
+        return (f"tls: true needs tls_cert, tls_key and tls_ca (PEM files; `fate-rdma tls init` makes them); "
+                f"missing {', '.join(missing)}")
+    for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
+        try:
+            with open(path, "rb"):  # type: ignore[arg-type]
+                pass
+        except OSError as exc:
+            return f"{name} {path} cannot be read: {exc.strerror or exc}"
+    mode = stat.S_IMODE(os.stat(key).st_mode)  # type: ignore[arg-type]
+    if mode & stat.S_IRWXO:
+        return f"tls_key {key} is accessible to other users (mode {mode:o}); chmod 600 it"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ChannelConfig:
     #: "fedrdma-e" (receive-slot pool, zero copy) or "fedrdma" (staging + reassembly)
@@ -32,7 +53,9 @@ class ChannelConfig:
     link_enable: Union[bool, str] = "auto"
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s
     link_rate_bps: Optional[float] = None
-    #: "crc32c" end-to-end checksum of every transfer (hardware-accelerated), or "none"
+    #: what this endpoint requires of every transfer it receives (and sends with; both sides must agree):
+    #: "crc32c" end to end (hardware-accelerated, against accidents), "blake2b" a keyed BLAKE2b MAC of the
+    #: payload, metadata and header fields (against a man in the middle; needs secret_file), or "none"
     checksum: str = "crc32c"
     #: FedRDMA-E receive slots per peer, and the largest payload one slot takes
     pool_slots: int = 2
@@ -63,6 +86,15 @@ class ChannelConfig:
     #: file holding the federation's shared secret (hex or raw, >= 16 bytes, mode 600): per site, never
     #: in a job conf; `fate-rdma secret FILE` writes one
     secret_file: Optional[str] = None
+    #: mutual TLS 1.3 on the bootstrap connections and (soft provider) the data connections, for links
+    #: that are not private; each side's certificate must name its party (commonName or URI SAN
+    #: "fate-rdma:<party>"); `fate-rdma tls init` makes a CA and the parties' certificates
+    tls: bool = False
+    #: PEM files, per site (never in a job conf): this party's certificate, its key (not readable by
+    #: other users), the federation CA's certificate
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_ca: Optional[str] = None
     #: handshakes of not-yet-authenticated peers at once; more connections are closed at accept
     max_pending_handshakes: int = 16
     #: receive memory (FedRDMA-E pools, FedRDMA staging and reassembly) one endpoint may hold;
@@ -89,8 +121,11 @@ class ChannelConfig:
             bad(f"link_enable must be true, false or 'auto', got {self.link_enable!r}")
         if self.link_rate_bps is not None and self.link_rate_bps <= 0:
             bad("link_rate_bps must be positive")
-        if self.checksum not in ("crc32c", "none"):
-            bad(f"checksum must be 'crc32c' or 'none', got {self.checksum!r}")
+        if self.checksum not in ("crc32c", "blake2b", "none"):
+            bad(f"checksum must be 'crc32c', 'blake2b' or 'none', got {self.checksum!r}")
+        if self.checksum == "blake2b" and not self.secret_file:
+            bad("checksum: blake2b needs authentication (secret_file): its MAC is keyed by the session key that "
+                "each authenticated connection derives from the federation's secret")
         if not 1 <= self.pool_slots <= 1024:
             bad(f"pool_slots must be within [1, 1024], got {self.pool_slots}")
         if self.slot_bytes < 1:
@@ -112,6 +147,12 @@ class ChannelConfig:
             bad("auth: hmac needs secret_file (the federation's shared secret; `fate-rdma secret FILE` makes one)")
         if self.auth == "none" and self.secret_file:
             bad("auth: none and a secret_file contradict each other")
+        if not isinstance(self.tls, bool):
+            bad(f"tls must be true or false, got {self.tls!r}")
+        if self.tls:
+            problem = _tls_files_problem(self.tls_cert, self.tls_key, self.tls_ca)
+            if problem:
+                bad(problem)
         if not 1 <= self.max_pending_handshakes <= 1024:
             bad(f"max_pending_handshakes must be within [1, 1024], got {self.max_pending_handshakes}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1 << 20:

@@ -75,29 +75,39 @@ def mode(request):
     return request.param
 
 
-def legit_round_trip(victim: Victim, mode: str, secret: str, nbytes: int = 3 * CHUNK + 5) -> None:
+def legit_round_trip(victim: Victim, mode: str, secret: str, nbytes: int = 3 * CHUNK + 5,
+                     provider: str = "soft", **kw) -> None:
     """The real party still gets through, verified, under its own name."""
     data = os.urandom(nbytes)
-    with Endpoint(cfg(mode, secret), name="client-a") as ep:
+    with Endpoint(cfg(mode, secret, provider=provider, **kw), name="client-a") as ep:
         ep.send(victim.address, data, {"who": "client-a"}).result(30)
     (rec,) = victim.expect()
     assert rec["peer"] == "client-a" and rec["crc32c"] == crc32c.crc32c(data) and rec["nbytes"] == nbytes
 
 
-def test_stranger_cannot_pose_as_a_party(mode, secret, other_secret):
-    victim = Victim(cfg(mode, secret))
+#: the attacks whose outcome depends on the verbs provider run on pyverbs too (on rxe0 in the VM, make test-rdma)
+PROVIDERS = ["soft", "pyverbs"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_stranger_cannot_pose_as_a_party(mode, secret, other_secret, provider):
+    from .verbs_pair import require
+
+    require(provider)
+    victim = Victim(cfg(mode, secret, provider=provider))
     try:
         for stranger_secret, match in ((None, "requires authentication|does not authenticate"),
                                        (other_secret, "refused this side's proof")):
-            with Endpoint(cfg(mode, stranger_secret), name="client-a") as ep:  # claims the real party's name
+            # claims the real party's name
+            with Endpoint(cfg(mode, stranger_secret, provider=provider), name="client-a") as ep:
                 with pytest.raises(E.AuthenticationError, match=match):
                     ep.send(victim.address, b"poisoned weights" * 1000)
-        with Endpoint(cfg(mode, secret), name="client-z") as ep:  # holds the secret, but is not a party here
+        with Endpoint(cfg(mode, secret, provider=provider), name="client-z") as ep:  # holds the secret, not a party
             with pytest.raises(E.AuthenticationError, match="refused"):
                 ep.send(victim.address, b"x" * 100)
         assert victim.stats()["count"] == 0  # nothing reached the application
         assert victim.stats()["peers"] == []
-        legit_round_trip(victim, mode, secret)
+        legit_round_trip(victim, mode, secret, provider=provider)
     finally:
         victim.close()
 
@@ -153,15 +163,33 @@ def test_unauthenticated_connections_cost_nothing(secret):
         victim.close()
 
 
-def test_integrity_is_the_receivers_decision(mode, secret):
-    victim = Victim(cfg(mode, secret))
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("required,sent", [("crc32c", "none"), ("blake2b", "crc32c")])
+def test_integrity_is_the_receivers_decision(mode, secret, provider, monkeypatch, required, sent):
+    """A party configured with another checksum is refused at connect, naming both settings. One that
+    hides its setting (a peer that predates checksum agreement, or lies about it) and sends another
+    checksum has its transfers refused as protocol errors naming the header field: a receiver that
+    requires blake2b takes no crc32c, which a man in the middle could recompute."""
+    from fate_rdma.channel import connection, handshake
+
+    from .verbs_pair import require
+
+    require(provider)
+    victim = Victim(cfg(mode, secret, provider=provider, checksum=required))
     try:
-        with Endpoint(cfg(mode, secret, checksum="none"), name="client-a") as ep:
+        with Endpoint(cfg(mode, secret, checksum=sent, provider=provider), name="client-a") as ep:
+            with pytest.raises(E.ConfigError, match=f"checksum '{required}' and this side '{sent}'"):
+                ep.send(victim.address, b"x")
+        to_wire = handshake.Hello.to_wire  # from here on: a client that does not say, and does not check
+        monkeypatch.setattr(handshake.Hello, "to_wire", lambda h: {k: v for k, v in to_wire(h).items() if k != "checksum"})
+        monkeypatch.setattr(connection, "agree_checksum", lambda mine, peer: None)
+        with Endpoint(cfg(mode, secret, checksum=sent, provider=provider), name="client-a") as ep:
             fut = ep.send(victim.address, os.urandom(3 * CHUNK))
-            with pytest.raises(E.RemoteProtocolError, match="no checksum"):
+            with pytest.raises(E.RemoteProtocolError, match=f"'flags' says {'no checksum' if sent == 'none' else sent}"):
                 fut.result(20)
+        monkeypatch.undo()
         assert victim.stats()["count"] == 0
-        legit_round_trip(victim, mode, secret)
+        legit_round_trip(victim, mode, secret, provider=provider, checksum=required)
     finally:
         victim.close()
 
@@ -222,11 +250,16 @@ def test_no_secret_means_loopback_only(tmp_path):
         Endpoint(cfg("fedrdma", str(world)))
 
 
-def test_held_slot_is_not_writable_by_the_sender(secret):
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_held_slot_is_not_writable_by_the_sender(secret, provider):
     """A FedRDMA-E slot is the peer's to write only while granted: once its transfer arrived, a WRITE
-    with the old rkey fails with a remote access error (as on a NIC) and the message the application
+    with the old rkey fails with a remote access error (the soft NIC as a real one; on pyverbs the
+    slot's MR is deregistered and registered again under a new rkey) and the message the application
     holds does not change; the next grant comes with a new rkey in the CREDIT."""
-    c = cfg("fedrdma-e", secret, pool_slots=2)
+    from .verbs_pair import require
+
+    require(provider)
+    c = cfg("fedrdma-e", secret, pool_slots=2, provider=provider)
     with Endpoint(c, name="victim") as victim, Endpoint(c, name="client-a") as client:
         victim_addr = victim.address
         victim.name = victim_addr  # dialers check that the endpoint proves the address they dialed

@@ -172,8 +172,8 @@ def test_corrupted_transfer_is_detected(pair, monkeypatch):
 
     real_async = conn_mod.payload_checksum_async
 
-    def bad_async(views):
-        f = real_async(views)
+    def bad_async(views, *rest):
+        f = real_async(views, *rest)
         out = concurrent.futures.Future()
         f.add_done_callback(lambda g: out.set_result(g.result() ^ 0x5A5A))
         return out

@@ -98,6 +98,27 @@ def test_large_payload_goes_over_the_channel_small_stays_with_fate(guest):
     assert res["stats"]["rdma_transfers"] == 0  # the host only received
 
 
+def test_tls_between_parties(guest, tmp_path):
+    """tls: true at both parties, each with the certificate of its own party ("guest:9999"), each known
+    to the other by its endpoint address: the federation's endpoints map the one to the other."""
+    from fate_rdma.cli.tls import make_certificates
+
+    pki = make_certificates(str(tmp_path / "pki"), ["guest:9999", "host:10000"])
+
+    def tls(party):
+        f = pki[party]
+        return {"tls": True, "tls_cert": f.cert, "tls_key": f.key, "tls_ca": f.ca, "same_host": False}
+
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps, **tls("guest:9999")), section(eps, **tls("host:10000")), "s-tls")
+    big = [np.random.default_rng(5).standard_normal(500_000)]
+    ctx.hosts[0].put("w", big)
+    res = host_result(host)
+    assert res.get("error") is None, res
+    assert res["w"] == sha(big) and fed.fate_rdma.stats["rdma_transfers"] == 1
+    assert fed.fate_rdma.endpoint.tls is not None
+
+
 def test_no_configuration_no_effect(guest, monkeypatch):
     monkeypatch.delenv("FATE_RDMA_CONF", raising=False)
     ctx, fed, host = guest(None, None, "s2")

@@ -21,17 +21,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("guest", "host", "arbiter")
 
 
-def run_job(out, example, extra, conf=None):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", example, "run.py")]
+def job_argv(out, example, extra, conf=None):
+    argv = [os.path.join(ROOT, "examples", example, "run.py")]
     if conf:
-        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", str(conf)] + cmd[1:]
-    cmd += ["--parties", "guest:9999", "host:10000", "arbiter:10000", "--log_level", "WARNING", "--model", "tiny",
-            "--rounds", "2", "--out", str(out)] + extra
-    # inside the rxe VM (TCG, 2 vCPUs) each party's import of torch and FATE-LLM alone takes 1-2 minutes
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200 if os.environ.get("FATE_RDMA_VM") else 300,
-                       cwd=str(out.parent))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        argv = ["-m", "fate_rdma.cli", "launch", "--conf", str(conf)] + argv
+    return argv + ["--parties", "guest:9999", "host:10000", "arbiter:10000", "--log_level", "WARNING",
+                   "--model", "tiny", "--rounds", "2", "--out", str(out)] + extra
+
+
+def results(out):
     return {r: json.load(open(os.path.join(out, f"{r}.json"))) for r in ROLES}
+
+
+def run_jobs(tmp_path, jobs):
+    """Run each (out folder, argv) job; returns the parties' results per job. On the host each job is a
+    process whose party processes FATE's launcher spawns, as users run it. Inside the rxe VM (TCG) every
+    spawned party would spend 3-4 minutes importing torch and FATE-LLM: there the jobs run one after
+    another from one process that imported them once, the launcher forking its parties
+    (tests/forked_jobs.py)."""
+    if os.environ.get("FATE_RDMA_VM"):
+        spec = tmp_path / "jobs.json"
+        spec.write_text(json.dumps([{"argv": argv, "cwd": str(out.parent)} for out, argv in jobs]))
+        p = subprocess.run([sys.executable, "-m", "tests.forked_jobs", str(spec)], capture_output=True, text=True,
+                           timeout=1800, cwd=ROOT)
+        print(p.stdout[-2000:])
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    else:
+        for out, argv in jobs:
+            p = subprocess.run([sys.executable] + argv, capture_output=True, text=True, timeout=300, cwd=str(out.parent))
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [results(out) for out, _ in jobs]
 
 
 def listening(port):
@@ -40,6 +59,7 @@ def listening(port):
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.timeout(2100 if os.environ.get("FATE_RDMA_VM") else 600)  # in the TCG VM: ~15 min for the two jobs
 @pytest.mark.parametrize("provider", ["soft", "pyverbs"])  # pyverbs: on rxe0 in the VM (make test-rdma)
 @pytest.mark.parametrize("example,extra", [("gpt2_full_fedavg", []), ("gpt2_lora_fedavg", ["--lora_rank", "4"])],
                          ids=["full", "lora"])
@@ -61,8 +81,8 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
                       zip((("guest", 9999), ("host", 10000), ("arbiter", 10000)), ports)}}}))
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
-    plain = run_job(tmp_path / "plain", example, extra)
-    rdma = run_job(tmp_path / "rdma", example, extra, conf)
+    plain, rdma = run_jobs(tmp_path, [(tmp_path / "plain", job_argv(tmp_path / "plain", example, extra)),
+                                      (tmp_path / "rdma", job_argv(tmp_path / "rdma", example, extra, conf))])
 
     assert plain["guest"]["trainable_params"] == rdma["guest"]["trainable_params"] > 0
     if extra:  # LoRA: only the adapters are trainable and exchanged

@@ -9,8 +9,30 @@ import pytest
 import easypyverbs as ev
 
 #: "soft" takes the same-host path here (both ends in one process); "soft-tcp" is the soft provider
-#: with that path off, i.e. as between hosts: the conformance suite runs on both
-PROVIDERS = ["soft", "soft-tcp", "pyverbs"]
+#: with that path off, i.e. as between hosts; "soft-tls" is soft-tcp with mutual TLS on every data
+#: connection (tls: true): the conformance suite runs on all three
+PROVIDERS = ["soft", "soft-tcp", "soft-tls", "pyverbs"]
+_tls: Dict[str, Any] = {}
+
+
+def soft_tls() -> Any:
+    """Mutual TLS contexts from a throwaway CA (made once per test process with `fate-rdma tls init`'s
+    function, the openssl tool)."""
+    if "ctx" not in _tls:
+        import atexit
+        import shutil
+        import tempfile
+
+        from easypyverbs.tls import MutualTLS
+        from fate_rdma.cli.tls import make_certificates
+
+        if shutil.which("openssl") is None:
+            pytest.skip("soft-tls needs the openssl command line tool to make certificates")
+        folder = tempfile.mkdtemp(prefix="fate-rdma-test-tls-")
+        atexit.register(shutil.rmtree, folder, True)
+        f = make_certificates(folder, ["verbs-pair"])["verbs-pair"]
+        _tls["ctx"] = MutualTLS.from_files(f.cert, f.key, f.ca)
+    return _tls["ctx"]
 
 
 def require(provider: str) -> None:
@@ -21,8 +43,10 @@ def require(provider: str) -> None:
 
 
 def open_ctx(provider: str, **soft_opts: Any) -> ev.Context:
-    if provider in ("soft", "soft-tcp"):
+    if provider in ("soft", "soft-tcp", "soft-tls"):
         opts = {"rnr_timeout_s": 0.3, "retry_timeout_s": 3.0, "same_host": provider == "soft"}
+        if provider == "soft-tls":
+            opts["tls"] = soft_tls()
         opts.update(soft_opts)
         return ev.open_device(provider="soft", **opts)
     return ev.open_device(provider="pyverbs")

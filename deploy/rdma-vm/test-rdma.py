@@ -18,9 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # the legs that run on a real verbs device; their pyverbs parametrizations are picked with -k
-# (tests/test_llm_fedavg.py has pyverbs legs too, but importing FATE-LLM and torch over 9p under TCG
-# takes minutes: run it on demand with `test-rdma.py tests/test_llm_fedavg.py -k pyverbs`)
-FILES = ["tests/test_verbs_conformance.py", "tests/test_verbs_processes.py", "tests/test_providers.py"]
+FILES = ["tests/test_verbs_conformance.py", "tests/test_verbs_processes.py", "tests/test_providers.py",
+         "tests/test_adversary.py"]
+# the tiny GPT-2 FedAvg (full fine-tune) through FATE's launcher, weights bitwise equal with and without
+# fate-rdma on pyverbs over rxe0. Importing torch and FATE-LLM under TCG takes minutes, so both jobs run from
+# one process that imported them once (tests/forked_jobs.py). The LoRA leg runs the same code on the
+# channel: `test-rdma.py tests/test_llm_fedavg.py -k "lora and pyverbs"`
+LLM = ["tests/test_llm_fedavg.py::test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma[full-pyverbs]"]
 # the channel on rxe0, both modes: each test starts a peer process (10-20 s under TCG), so the leg takes
 # the boundary sizes, scatter-gather, integrity, cancel, several QPs, concurrent senders and 10 MiB
 # payloads; all of them: `test-rdma.py tests/test_channel.py -k pyverbs`
@@ -38,7 +42,7 @@ OPEN: dict = {}
 
 def main(argv: list) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--timeout", type=float, default=1500.0, help="limit on the VM leg, boot included (default 1500 s)")
+    ap.add_argument("--timeout", type=float, default=2700.0, help="limit on the VM leg, boot included (default 2700 s)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (default: the pyverbs legs of FILES)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -50,7 +54,7 @@ def main(argv: list) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="fate-rdma-test-rdma-") as tmp:
         junit = "$FATE_RDMA_VM_OUT/junit.xml"
-        select = args.pytest_args or [*FILES, *CHANNEL, "-k", "pyverbs"]
+        select = args.pytest_args or [*FILES, *CHANNEL, *LLM, "-k", "pyverbs"]
         cmd = ["sh", "-c", f'exec "$0" -m pytest -q -p no:cacheprovider -rfEs --junitxml="{junit}" "$@"',
                sys.executable, *select]
         try:

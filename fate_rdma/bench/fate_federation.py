@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(separate rows and ratios, never mixed)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
     p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
+    p.add_argument("--no-channel-alone", dest="channel_alone", action="store_false",
+                   help="skip the baseline run beside every fate-rdma job: the same bytes between three processes "
+                        "through the channel alone (no FATE), to show what the integration adds")
 
 
 #: peak memory of FATE's own path, all three parties, per byte of one client's upload (measured here:
@@ -104,14 +107,36 @@ def local_endpoints() -> Dict[str, str]:
     return {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES, free_ports(len(PARTIES)))}
 
 
-def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tcp") -> None:
-    sec: Dict[str, Any] = {"enabled": True, "mode": args.mode, "provider": args.provider, "window": "auto",
-                           "threshold_bytes": 1 << 20, "fallback": "error", "endpoints": local_endpoints(),
-                           "same_host": data_path == "same-host"}
+#: what the channel targets against it: fate-rdma's round within this factor of the channel alone
+CHANNEL_ALONE_TARGET = 1.5
+
+
+def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Dict[str, Any]:
+    """The ChannelConfig fields of the bench's fate-rdma jobs (and of the channel-alone baseline)."""
+    fields: Dict[str, Any] = {"mode": args.mode, "provider": args.provider, "window": "auto",
+                              "same_host": data_path == "same-host"}
     if args.mode == "fedrdma-e":
-        sec.update(pool_slots=1, slot_bytes=upload + (16 << 20))
+        fields.update(pool_slots=1, slot_bytes=upload + (16 << 20))
+    return fields
+
+
+def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tcp") -> None:
+    sec: Dict[str, Any] = {"enabled": True, "threshold_bytes": 1 << 20, "fallback": "error",
+                           "endpoints": local_endpoints(), **_channel_fields(args, upload, data_path)}
     with open(path, "w") as f:
         json.dump({"fate_rdma": sec}, f)
+
+
+def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: int, data_path: str) -> Dict[str, Any]:
+    from . import channel_alone
+
+    print(f"# channel alone: {human_bytes(row['up_bytes'])} up / {human_bytes(row['down_bytes'])} down per client, "
+          f"three processes, path {data_path}", file=sys.stderr, flush=True)
+    got = channel_alone.measure(_channel_fields(args, row["up_bytes"], data_path), row["up_bytes"], row["down_bytes"],
+                                rounds, timeout=args.timeout)
+    return dict(row, method="channel-alone", round_comm_seconds=got["round_seconds"],
+                round_comm_seconds_all=got["round_seconds_all"], peak_rss_bytes=0, arbiter_peak_rss_bytes=0,
+                aggregate_seconds=0.0, breakdown=None)
 
 
 def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: int, rounds: int,
@@ -164,7 +189,20 @@ def _row(method: str, res: Dict[str, Any], mode: str, scale: float, lora_rank: i
         "params": g["params"], "tensors": g["tensors"], "verified": bool(g["verified"] and h["verified"]),
         "peak_rss_bytes": max(g["peak_rss_bytes"], h["peak_rss_bytes"]), "arbiter_peak_rss_bytes": a["peak_rss_bytes"],
         "aggregate_seconds": median(a["aggregate_seconds"]),
+        "breakdown": _breakdown(res, len(per_round)),
     }
+
+
+#: the fate-rdma wrapper's timers (fate_rdma/federation/wrapper.py), in the order a round meets them
+TIMERS = ("frame_seconds", "send_seconds", "descriptor_push_seconds", "descriptor_wait_seconds", "payload_wait_seconds")
+
+
+def _breakdown(res: Dict[str, Any], rounds: int) -> Optional[Dict[str, Dict[str, float]]]:
+    """Per party, where fate-rdma's puts and gets spent their time, per round (the job's totals / rounds;
+    the waits include waiting for the other parties)."""
+    if not res["guest"].get("rdma") or not rounds:
+        return None
+    return {r: {k: res[r]["rdma"].get(k, 0.0) / rounds for k in TIMERS} for r in ROLES}
 
 
 def _cases(args: argparse.Namespace, methods: List[str]) -> List[Tuple[float, int, List[str]]]:
@@ -227,14 +265,25 @@ def run(args: argparse.Namespace) -> int:
                 row["fate_slices_up"] = -(-row["up_bytes"] // (1 << 20))
                 emit(row)
                 rows.append(row)
+                if method == "fate-rdma" and args.channel_alone:
+                    base_row = _channel_alone_row(row, args, rounds, data_path)
+                    emit(base_row)
+                    rows.append(base_row)
     for r in rows:
         r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
-        r["peak_rss"] = human_bytes(r["peak_rss_bytes"])
+        r["peak_rss"] = human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-"
     for r in rows:
-        r["chunks"] = (f"{r['chunks_up']} x {human_bytes(CHUNK)}" if r["chunks_up"]
+        r["chunks"] = (f"{r['chunks_up']} x {human_bytes(CHUNK)}" if r["method"] != "fate"
                        else f"{r['fate_slices_up']} x 1 MiB slices")
     table(rows, ["payload", "scale", "method", "mode", "provider", "path", "size", "chunks", "rounds",
                  "round_comm_seconds", "peak_rss", "verified"])
+    for r in rows:
+        if r["method"] == "fate-rdma" and r.get("breakdown"):
+            print(f"where fate-rdma's round went, {r['payload']} at scale {r['scale']:g}, path {r['path']} (seconds per "
+                  f"round; waits include the other parties):")
+            print("  party     " + "".join(f"{k.replace('_seconds', ''):>17}" for k in TIMERS))
+            for role, t in r["breakdown"].items():
+                print(f"  {role:<9} " + "".join(f"{t[k]:>17.3f}" for k in TIMERS))
     ok = True
     for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
         by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank and r["path"] in ("-", data_path)}
@@ -250,6 +299,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"{by['fate']['payload']} at scale {scale:g}, fate-rdma path {data_path}: communication per round FATE "
                   f"{by['fate']['round_comm_seconds']:.2f} s, fate-rdma {by['fate-rdma']['round_comm_seconds']:.2f} s: "
                   f"{ratio:.1f}x less ({verdict}){emu}")
+    for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
+        by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank and r["path"] == data_path}
+        if "fate-rdma" in by and "channel-alone" in by:
+            over = by["fate-rdma"]["round_comm_seconds"] / by["channel-alone"]["round_comm_seconds"]
+            met = over <= CHANNEL_ALONE_TARGET
+            emit({"bench": "fate", "summary": "integration", "payload": by["fate-rdma"]["payload"], "scale": scale,
+                  "path": data_path, "fate_rdma_over_channel_alone": over, "target": CHANNEL_ALONE_TARGET, "met": met,
+                  "emulated": by["fate-rdma"]["emulated"]})
+            print(f"{by['fate-rdma']['payload']} at scale {scale:g}, path {data_path}: fate-rdma round "
+                  f"{by['fate-rdma']['round_comm_seconds']:.2f} s, the channel alone {by['channel-alone']['round_comm_seconds']:.2f} s "
+                  f"for the same bytes: {over:.2f}x (target <= {CHANNEL_ALONE_TARGET:g}x: {'met' if met else 'NOT met'})"
+                  + (" [soft provider: emulated verbs over TCP, not an RDMA figure]" if by["fate-rdma"]["emulated"] else ""))
     if not all(r["verified"] for r in rows):
         print("bench fate: an average did not match the expected one", file=sys.stderr)
         ok = False

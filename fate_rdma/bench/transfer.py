@@ -10,11 +10,15 @@ message. `extra_rss_bytes`: the receiver's peak RSS beyond what the method must 
 and fedrdma-e, above the level before the receiving endpoint existed, less the payload (fedrdma's
 destination) or the registered pool (fedrdma-e), so staging buffers and bookkeeping count; for raw
 TCP and gRPC, above the level before the transfer, less the payload where gRPC allocates it.
+With `--tls` every fedrdma/fedrdma-e row is measured again right after it with `tls: true` (mutual TLS
+1.3 on the bootstrap and on the soft provider's data connections; on the same-host path only request
+headers cross TLS, the payload is a local copy): the cost of TLS, beside the plain row of the same run.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
@@ -41,8 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--methods", default="raw_tcp,grpc_stream,grpc_unary,fedrdma,fedrdma-e", help="comma list of methods")
     p.add_argument("--windows", default="1,auto", help="windows to measure for fedrdma/fedrdma-e (default 1,auto)")
-    p.add_argument("--checksum", default="crc32c", choices=["crc32c", "none"], help="end-to-end checksum (default crc32c)")
+    p.add_argument("--checksum", default="crc32c", choices=["crc32c", "blake2b", "none"],
+                   help="end-to-end checksum (default crc32c; blake2b: the keyed MAC, with a fresh secret for the two endpoints)")
     p.add_argument("--provider", default="soft", help="verbs provider on loopback (default soft; link scenarios are soft)")
+    p.add_argument("--tls", action="store_true",
+                   help="each fedrdma/fedrdma-e row once more with tls: true (mutual TLS on the bootstrap and the soft "
+                        "provider's data connections; certificates from a throwaway CA): the cost of TLS beside it")
 
 
 def _grpc(peer: PeerProcess, payload: bytes, reps: int) -> Dict[str, List[float]]:
@@ -75,7 +83,9 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int)
     reply = peer.cmd({"cmd": "endpoint", "config": {k: v for k, v in cfg.__dict__.items()}})
     times, rss = [], []
     info: Dict[str, Any] = {}
-    with Endpoint(cfg) as ep:
+    # tls: one certificate names both ends (_bench_tls); the receiver is known by its address
+    names = {"name": "bench-sender", "party_names": {reply["address"]: "bench-receiver"}} if cfg.tls else {}
+    with Endpoint(cfg, **names) as ep:
         count = peer.cmd({"cmd": "mark"})["count"]
         ep.send(reply["address"], b"warm-up").result(60)  # connects, probes the RTT
         peer.cmd({"cmd": "expect", "count": count + 1})
@@ -104,6 +114,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"fate-rdma bench transfer: payload {human_bytes(nbytes)}, {reps} repetitions, scenarios {args.scenarios}", flush=True)
     data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
     rows: List[Dict[str, Any]] = []
+    tls_dir = tempfile.TemporaryDirectory(prefix="fate-rdma-bench-tls-") if args.tls else None
+    tls_files = _bench_tls(tls_dir.name) if tls_dir is not None else None
+    secret, secret_dir = None, None
+    if args.checksum == "blake2b":  # the MAC is keyed per connection from the secret both endpoints prove (as demo does)
+        from ..channel.auth import write_secret
+
+        secret_dir = tempfile.TemporaryDirectory(prefix="fate-rdma-bench-")  # private (0700), removed with the object
+        secret = os.path.join(secret_dir.name, "secret")
+        write_secret(secret)
 
     def add(row: Dict[str, Any]) -> None:
         # the machine's 1-minute load average with every row: figures from a busy machine say so
@@ -143,22 +162,46 @@ def run(args: argparse.Namespace) -> int:
             for mode in ("fedrdma", "fedrdma-e"):
                 if mode not in methods:
                     continue
-                for w in windows:
+                for w, tls in [(w, tls) for w in windows for tls in ([False, True] if tls_files else [False])]:
                     cfg = ChannelConfig(mode=mode, window=int(w) if w != "auto" else "auto", slot_bytes=nbytes,
                                         provider="soft" if link else args.provider, soft_link=link,
                                         transfer_timeout_s=3600, no_progress_timeout_s=120, checksum=args.checksum,
-                                        same_host=scen != "loopback-tcp")
+                                        same_host=scen != "loopback-tcp", secret_file=secret,
+                                        **(tls_files if tls else {}))
                     res = _channel(peer, data, cfg, reps)
                     add({"scenario": scen, "method": mode, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
                          "provider": res["provider"], "emulated": res["emulated"], "label": res["label"],
-                         "path": res["path"],
+                         "path": res["path"], "checksum": args.checksum, "tls": tls,
                          "seconds": round(median(res["times"]), 4),
                          "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"]})
     print()
     table([dict(r, rss=human_bytes(r["extra_rss_bytes"]) if r.get("extra_rss_bytes") is not None else "-") for r in rows],
-          ["scenario", "method", "window", "provider", "path", "emulated", "seconds", "gbps", "chunks", "rss", "loadavg_1m"])
+          ["scenario", "method", "window", "provider", "path", "emulated", "checksum", "seconds", "gbps", "chunks", "rss",
+           "loadavg_1m"])
     _verdicts(rows, nbytes)
+    _tls_verdicts(rows)
     return 0
+
+
+def _bench_tls(folder: str) -> Dict[str, Any]:
+    """ChannelConfig keys for tls: true, from a throwaway CA: one certificate naming both ends."""
+    from ..cli.tls import make_certificates
+
+    f = make_certificates(folder, ["bench-sender+bench-receiver"])["bench-sender"]
+    return {"tls": True, "tls_cert": f.cert, "tls_key": f.key, "tls_ca": f.ca}
+
+
+def _tls_verdicts(rows: List[Dict[str, Any]]) -> None:
+    for r in rows:
+        if not r.get("tls"):
+            continue
+        plain = next((p for p in rows if p.get("tls") is False and p["scenario"] == r["scenario"]
+                      and p["method"] == r["method"] and str(p["window"])[:4] == str(r["window"])[:4]), None)
+        if plain:
+            emu = " (soft provider: emulated verbs over TCP, not RDMA)" if r["emulated"] else ""
+            print(f"tls cost{emu}: {r['scenario']} {r['method']} window {r['window']}: {plain['seconds']:.3f} s plain "
+                  f"({plain.get('gbps')} Gbit/s, {plain['path']}) -> {r['seconds']:.3f} s with TLS ({r.get('gbps')} "
+                  f"Gbit/s, {r['path']}): {100 * (r['seconds'] / plain['seconds'] - 1):+.0f}% time")
 
 
 def _verdicts(rows: List[Dict[str, Any]], nbytes: int) -> None:

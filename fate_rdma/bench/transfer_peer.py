@@ -2,7 +2,7 @@
 
 Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc"} starts a gRPC
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
-a fate-rdma Endpoint (optional "name", "allowed_peers"); {"cmd": "stats"} reports its memory, threads and
+a fate-rdma Endpoint (optional "name", "allowed_peers", "party_names"); {"cmd": "stats"} reports its memory, threads and
 refusals; {"cmd": "send", "address", "hex"} sends from it; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
 {"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
 calls arrived in all, and answers with the peak RSS above the level before the last "mark" and
@@ -116,7 +116,7 @@ def serve(host: str, port: int) -> int:
                 record = bool(cmd.get("record"))
                 ep_base_rss = rss_bytes()
                 ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host, name=cmd.get("name"),
-                              allowed_peers=cmd.get("allowed_peers"))
+                              allowed_peers=cmd.get("allowed_peers"), party_names=cmd.get("party_names"))
                 threading.Thread(target=drain, daemon=True).start()
                 conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
             elif op == "mark":

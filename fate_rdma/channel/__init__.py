@@ -12,7 +12,8 @@ Where things are:
     outgoing.py    the engine's record of a transfer it sends; request and WR kinds
     transfer.py    what users get: TransferFuture, Message; Payload (buffers as MRs, zero copy)
     buffers.py     recycled FedRDMA reassembly buffers
-    checksum.py    whole-payload crc32c in parallel blocks
+    checksum.py    whole-payload crc32c or BLAKE2b leaves in parallel blocks; each direction's checksum
+    auth.py        peer authentication (HMAC-SHA256 challenge-response) and the session key
 The protocol itself (frames, state machines, mode and window policy) is fate_rdma.protocol.
 """
 from .connection import Connection

@@ -10,8 +10,16 @@ Mutual challenge-response over the federation's shared secret (HMAC-SHA256):
 The transcript binds a protocol label, the prover's role (dialer or acceptor), both names and both
 nonces: a proof cannot be replayed (both nonces are fresh for this connection), reflected (the role
 differs) or moved to another name. A peer is known by the name it proved, never by its address.
-Both sides derive a session key from the secret and the transcript; the soft provider's data
-connections and (optionally) message MACs are bound to it.
+
+Session key: both sides derive
+
+    session = HMAC-SHA256(secret, "fate-rdma session v1" || dialer name || acceptor name
+                                  || dialer nonce || acceptor nonce)        (each part length-prefixed)
+
+so it is fresh per connection (both nonces), bound to both proved names, and known only to holders of
+the secret. It stays in this process (Identity never prints it; nothing logs it). `mac_keys` splits
+it into one key per direction for the BLAKE2b MAC of transfers (checksum: blake2b), so a transfer
+reflected back to its sender does not verify.
 
 With auth "none" (loopback endpoints only) step 1 is still exchanged, so a mismatch between the
 two sides' settings is a clear error rather than a hang.
@@ -25,7 +33,7 @@ import logging
 import os
 import secrets
 import stat
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import easypyverbs as ev
 
@@ -34,6 +42,8 @@ from ..errors import AuthenticationError, ConfigError, RemoteProtocolError
 log = logging.getLogger("fate_rdma.channel")
 
 LABEL = b"fate-rdma auth v1"
+SESSION_LABEL = b"fate-rdma session v1"
+MAC_LABELS = (b"fate-rdma mac v1 dialer->acceptor", b"fate-rdma mac v1 acceptor->dialer")
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
 MAX_NAME = 256
@@ -75,17 +85,34 @@ class Identity:
 
     name: str
     authenticated: bool
-    session_key: bytes = b""
+    session_key: bytes = dataclasses.field(default=b"", repr=False)
+
+
+def _encode(*parts: bytes) -> bytes:
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
 def _transcript(role: str, me: str, peer: str, my_nonce: bytes, peer_nonce: bytes) -> bytes:
-    parts = [LABEL, role.encode(), me.encode(), peer.encode(), my_nonce, peer_nonce]
-    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return _encode(LABEL, role.encode(), me.encode(), peer.encode(), my_nonce, peer_nonce)
+
+
+def session_key(secret: bytes, dialer: str, acceptor: str, dialer_nonce: bytes, acceptor_nonce: bytes) -> bytes:
+    """The connection's session key (module docstring); both sides compute the same."""
+    return hmac.new(secret, _encode(SESSION_LABEL, dialer.encode(), acceptor.encode(), dialer_nonce, acceptor_nonce),
+                    hashlib.sha256).digest()
+
+
+def mac_keys(session: bytes, dialer: bool) -> Tuple[bytes, bytes]:
+    """(key of what this side sends, key of what it receives): one key per direction from the session key."""
+    d2a, a2d = (hmac.new(session, label, hashlib.sha256).digest() for label in MAC_LABELS)
+    return (d2a, a2d) if dialer else (a2d, d2a)
 
 
 def _first(obj: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(obj, dict):
         raise RemoteProtocolError(f"auth message from {where} is not an object")
+    if "refused" in obj:  # e.g. a TLS-only endpoint answering a plaintext dialer (tls.py)
+        raise AuthenticationError(f"peer at {where} refused the connection: {str(obj['refused'])[:300]}")
     kind = obj.get("auth")
     if kind not in ("hmac-sha256", "none") or obj.get("v") != 1:
         raise RemoteProtocolError(f"peer at {where} does not speak fate-rdma auth v1 (auth={kind!r}, v={obj.get('v')!r})")
@@ -145,6 +172,6 @@ def authenticate(boot: ev.BootstrapConn, me: str, secret: Optional[bytes], diale
             boot.send({"refused": "authentication failed"}, timeout_s)
             raise
         boot.send({"proof": proof}, timeout_s)
-    nonces = sorted([my_nonce, peer_nonce])
-    session = hmac.new(secret, b"session" + _transcript("", *sorted([me, peer]), *nonces), hashlib.sha256).digest()
-    return Identity(peer, True, session)
+    if dialer:
+        return Identity(peer, True, session_key(secret, me, peer, my_nonce, peer_nonce))
+    return Identity(peer, True, session_key(secret, peer, me, peer_nonce, my_nonce))

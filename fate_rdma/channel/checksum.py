@@ -1,8 +1,11 @@
-"""End-to-end checksums of payloads, computed in parallel blocks (crc32c releases the GIL).
+"""End-to-end checksums of payloads, computed in parallel blocks (crc32c and hashlib's BLAKE2b release
+the GIL).
 
-A transfer's checksum is crc32c over the big-endian crc32c of each 4 MiB block of the payload, so
-both sides can split the work across cores and the sender can compute it while chunks are already
-on the wire (the header, which carries it, is posted last).
+crc32c: a transfer's checksum is crc32c over the big-endian crc32c of each 4 MiB block of the
+payload. blake2b: the payload's part of the tag is the list of keyed BLAKE2b leaf digests of the
+same blocks (protocol/integrity.py; the tag over the header, metadata and leaves is cheap). Either
+way both sides split the work across cores and the sender computes it while chunks are already on
+the wire (the header, which carries it, is posted last).
 """
 from __future__ import annotations
 
@@ -10,11 +13,15 @@ import concurrent.futures
 import os
 import struct
 import threading
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import crc32c
 
-BLOCK_BYTES = 4 << 20
+from ..errors import ConfigError
+from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks, leaf  # noqa: F401 (re-exported)
+from .auth import Identity, mac_keys
+
+CRC32C = Integrity("crc32c")
 _POOLS: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -30,23 +37,6 @@ def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
             pool = _POOLS[kind] = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                                         thread_name_prefix=f"fate-rdma-crc-{kind}")
         return pool
-
-
-def _blocks(views: Sequence[memoryview]) -> List[List[memoryview]]:
-    """Fixed 4 MiB blocks of the concatenated payload, each as the pieces of the buffers it covers (no copy)."""
-    out: List[List[memoryview]] = []
-    room = 0
-    for v in views:
-        pos = 0
-        while pos < v.nbytes:
-            if room == 0:
-                out.append([])
-                room = BLOCK_BYTES
-            take = min(room, v.nbytes - pos)
-            out[-1].append(v[pos:pos + take])
-            pos += take
-            room -= take
-    return out
 
 
 def _crc_pieces(pieces: List[memoryview]) -> int:
@@ -66,6 +56,35 @@ def payload_checksum(views: Sequence[memoryview]) -> int:
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 
-def payload_checksum_async(views: Sequence[memoryview]) -> "concurrent.futures.Future[int]":
-    """payload_checksum on a worker thread (the sender overlaps it with the first chunks on the wire)."""
-    return _pool("payload").submit(payload_checksum, list(views))
+def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
+    """The keyed BLAKE2b leaf digests of the payload's blocks, in parallel; equal to integrity.leaves."""
+    blocks = _blocks(views)
+    last = len(blocks) - 1
+    if len(blocks) <= 1:
+        return b"".join(leaf(key, i, i == last, b) for i, b in enumerate(blocks))
+    return b"".join(_pool("block").map(lambda ib: leaf(key, ib[0], ib[0] == last, ib[1]), enumerate(blocks)))
+
+
+def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
+    """The payload's part of a FedRDMA-E header's checksum: payload_checksum, leaves, or None."""
+    if integrity.kind == "crc32c":
+        return payload_checksum(views)
+    return payload_leaves(views, integrity.key) if integrity.kind == "blake2b" else None
+
+
+def payload_checksum_async(views: Sequence[memoryview],
+                           integrity: Optional[Integrity] = None) -> "concurrent.futures.Future[Digest]":
+    """payload_digest on a worker thread (the sender overlaps it with the first chunks on the wire)."""
+    return _pool("payload").submit(payload_digest, integrity or CRC32C, list(views))
+
+
+def integrities(kind: str, identity: Identity, dialer: bool) -> Tuple[Integrity, Integrity]:
+    """(what this side's transfers carry, what it requires of the peer's) on a connection: for blake2b
+    each direction's MAC key, from the session key the authentication derived."""
+    if kind != "blake2b":
+        return Integrity(kind), Integrity(kind)
+    if not identity.session_key:
+        raise ConfigError(f"fate-rdma: checksum blake2b needs an authenticated connection (secret_file), and the "
+                          f"one with {identity.name} is not")
+    send_key, recv_key = mac_keys(identity.session_key, dialer)
+    return Integrity(kind, send_key), Integrity(kind, recv_key)

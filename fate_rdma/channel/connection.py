@@ -26,12 +26,13 @@ from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachab
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
 from ..protocol.policy import Mode, auto_window, choose_mode, first_chunk_bytes, NOMINAL_RATE_BPS
-from .checksum import payload_checksum_async
+from .checksum import integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .auth import Identity
-from .handshake import Hello, PoolOffer, StagingOffer, bootstrap_closed, confirm_posted, exchange_hello
+from .handshake import (Hello, PoolOffer, StagingOffer, agree_checksum, bootstrap_closed, confirm_posted,
+                        exchange_hello)
 from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
 from .transfer import Message, Payload, TransferFuture, group_sges
@@ -48,6 +49,7 @@ class Connection:
         self.cfg: ChannelConfig = endpoint.config
         self.boot = boot
         self.identity = identity
+        self.send_integrity, self.recv_integrity = integrities(self.cfg.checksum, identity, dialer)
         self.rcs: List[ev.RCConnection] = []
         self.mem: Optional[LocalMemory] = None
         self._reserved = 0  # bytes of the endpoint's memory budget this connection holds
@@ -79,9 +81,10 @@ class Connection:
         pool = PoolOffer(cfg.pool_slots, cfg.slot_bytes, MAX_META) if cfg.mode == "fedrdma-e" else None
         staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                    if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
-        peer = exchange_hello(boot, Hello(self.endpoint.name, cfg.qps_per_peer, pool, staging), t)
+        peer = exchange_hello(boot, Hello(self.endpoint.name, cfg.qps_per_peer, pool, staging, cfg.checksum), t)
         if peer.name != self.identity.name:
             raise RemoteProtocolError(f"peer authenticated as {self.identity.name!r} names itself {peer.name!r} in its hello")
+        agree_checksum(cfg.checksum, peer)
         self.peer = peer.name
         self.peer_hello = peer
         nqps = max(1, min(cfg.qps_per_peer, peer.qps))
@@ -134,9 +137,9 @@ class Connection:
         tid = (id(self) & 0xFFFF) << 40 | self._take_tid()
         fut = TransferFuture(tid, payload.total, lambda f: self._request(Request.CANCEL, f))
         fut.set_running_or_notify_cancel()
-        out = Outgoing(fut, payload, meta, self.cfg.checksum == "crc32c")
+        out = Outgoing(fut, payload, meta, self.send_integrity)
         if out.checksums and self.cfg.mode == "fedrdma-e":
-            out.crc_future = payload_checksum_async(payload.views())
+            out.crc_future = payload_checksum_async(payload.views(), self.send_integrity)
             out.crc_future.add_done_callback(lambda _f: self.cq.wake())
         self._request(Request.SEND, out)
         return fut

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import easypyverbs as ev
 
@@ -15,6 +15,7 @@ from ..errors import AuthenticationError, ConfigError, PeerUnreachable, Transfer
 from .auth import authenticate, load_secret
 from .buffers import Budget, RecvBuffers
 from .connection import Connection
+from .tls import ChannelTLS
 from .transfer import Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
@@ -28,17 +29,25 @@ class Endpoint:
     """A fate-rdma channel endpoint at `host:port` (port 0 picks one; see `.address`)."""
 
     def __init__(self, config: ChannelConfig = ChannelConfig(), host: str = "127.0.0.1", port: int = 0,
-                 name: Optional[str] = None, allowed_peers: Optional[Iterable[str]] = None) -> None:
+                 name: Optional[str] = None, allowed_peers: Optional[Iterable[str]] = None,
+                 party_names: Optional[Mapping[str, str]] = None) -> None:
         """`allowed_peers`: the names (party endpoint addresses) that may connect here; None = any
-        peer that proves the federation's secret."""
+        peer that proves the federation's secret. `party_names` (tls: true): endpoint name -> the party
+        ("role:party_id") its certificate must name; a name not in it must be named itself."""
         self.config = config
         self.secret = load_secret(config.secret_file) if config.secret_file else None
-        if self.secret is None and not _loopback(host):
+        if self.secret is None and not config.tls and not _loopback(host):
             raise ConfigError(f"fate-rdma endpoint on {host}: without authentication an endpoint may only listen on "
-                              f"loopback; set secret_file (the federation's shared secret, `fate-rdma secret FILE`)")
+                              f"loopback; set secret_file (the federation's shared secret, `fate-rdma secret FILE`) "
+                              f"or tls (the parties' certificates, `fate-rdma tls init`)")
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
+        self.tls = ChannelTLS(config, party_names) if config.tls else None
+        if self.tls is not None and (name or port):  # before anything is opened: a wrong certificate fails here
+            self.tls.check_own(name or f"{host}:{port}")
         provider = config.provider
         soft_opts: Dict[str, Any] = {"same_host": config.same_host}
+        if self.tls is not None:
+            soft_opts["tls"] = self.tls.contexts  # the soft provider's data connections, with the same certificates
         if provider == "soft":
             soft_opts["bind_host"] = host
         elif provider == "pyverbs" or provider == "auto" and ev.device.choose_provider("auto")[0] != "soft":
@@ -51,6 +60,10 @@ class Endpoint:
         self.listener = ev.Listener(host, port)
         self.address = f"{host}:{self.listener.address[1]}"
         self.name = name or self.address
+        if self.tls is not None and self.ctx.provider != "soft":
+            log.warning("fate-rdma endpoint %s: tls protects the bootstrap connections; the RDMA traffic of %s is "
+                        "not encrypted by fate-rdma (use IPsec or MACsec on links that are not private)",
+                        self.name, self.ctx.label)
         self._conns: Dict[str, Connection] = {}
         self._lock = threading.Lock()
         self._dialing: Dict[str, threading.Lock] = {}
@@ -62,9 +75,11 @@ class Endpoint:
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
-        log.info("fate-rdma endpoint %s on %s (%s), peers %s", self.name, self.address, self.ctx.label,
-                 "authenticated (HMAC-SHA256 over the federation secret)" if self.secret else "NOT authenticated")
-        if self.secret is None:
+        log.info("fate-rdma endpoint %s on %s (%s), peers %s%s", self.name, self.address, self.ctx.label,
+                 "authenticated (HMAC-SHA256 over the federation secret)" if self.secret else
+                 "authenticated by certificate only" if self.tls else "NOT authenticated",
+                 ", mutual TLS 1.3 (each peer's certificate names its party)" if self.tls else "")
+        if self.secret is None and self.tls is None:
             log.warning("fate-rdma endpoint %s: UNAUTHENTICATED (no secret_file): loopback only; any local process "
                         "can connect", self.name)
 
@@ -91,17 +106,25 @@ class Endpoint:
     def _accept_one(self, boot: ev.BootstrapConn) -> None:
         # every read of the handshake has its own deadline (connect_timeout_s) and the handshake has a
         # fixed number of reads, so a stranger holds one of max_pending_handshakes slots for a bounded time
+        raw = boot
         try:
             allowed = self.allowed_peers
+            claimed = None
+            if self.tls is not None:  # TLS first; the dialer's certificate must name the party it claims
+                boot, claimed = self.tls.accept(raw, self.config.connect_timeout_s,
+                                                None if allowed is None else allowed.__contains__)
             who = authenticate(boot, self.name, self.secret, dialer=False, timeout_s=self.config.connect_timeout_s,
                                accept=None if allowed is None else allowed.__contains__)
+            if self.tls is not None:
+                who = self.tls.bind(who, claimed)
             if allowed is not None and who.name not in allowed:  # unauthenticated (loopback) peers too
                 raise AuthenticationError(f"{who.name!r} is not a party of this endpoint's federation")
             conn = Connection(self, boot, dialer=False, identity=who)
         except Exception as exc:
             self.refused += 1
-            log.warning("fate-rdma endpoint %s: rejected a connection from %s:%s: %s", self.name, *boot.peer[:2], exc)
+            log.warning("fate-rdma endpoint %s: rejected a connection from %s:%s: %s", self.name, *raw.peer[:2], exc)
             boot.close()
+            raw.close()
             return
         finally:
             self._pending.release()
@@ -132,7 +155,11 @@ class Endpoint:
                 except (ev.EasyVerbsError, OSError, ValueError) as exc:
                     raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
                 try:
+                    if self.tls is not None:  # TLS first; the peer's certificate must name the party at `address`
+                        boot = self.tls.dial(boot, address, self.name, max(0.1, deadline - time.monotonic()))
                     who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
+                    if self.tls is not None:
+                        who = self.tls.bind(who, None)
                 except ev.BootstrapError as exc:
                     boot.close()
                     # closed before its first answer: the peer is at its cap of pending handshakes (strangers

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import crc32c
 
@@ -18,6 +18,7 @@ from ..errors import IntegrityError, PayloadTooLarge, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import StagingCredits
 from .buffers import RecvBuffers, copy_into
+from .checksum import payload_leaves
 from .handshake import StagingOffer
 
 if TYPE_CHECKING:
@@ -51,13 +52,16 @@ class StagedSender:
         staging = conn.remote["staging"]
         base = self.offer.base(st)
         conn.post_data(qp, o, c, staging, self.offer.data_offset(st), False, c.seq)
-        crc = None
-        if o.checksums:
-            crc = 0
+        meta = o.meta if c.seq == 0 else b""
+        digest: Any = None
+        if o.integrity.kind == "crc32c":
+            digest = 0
             for s in o.payload.sges(c.offset, c.length):
-                crc = crc32c.crc32c(s.view(), crc)
-        meta_len = len(o.meta) if c.seq == 0 else 0
-        conn.post_header(qp, o, o.machine.header(c, meta_len, crc, o.meta_crc), c.seq, staging, base, STAGING_BIT | st)
+                digest = crc32c.crc32c(s.view(), digest)
+        elif o.integrity.kind == "blake2b":
+            digest = payload_leaves([s.view() for s in o.payload.sges(c.offset, c.length)], o.integrity.key)
+        hdr = o.integrity.seal(o.machine.header(c, len(meta), None), meta, digest)
+        conn.post_header(qp, o, hdr, c.seq, staging, base, STAGING_BIT | st)
 
     def on_ack(self, c: P.Ctrl, active: Optional["Outgoing"]) -> None:
         """An ACK: the staging buffer it names is ours again; progress if it is the active transfer's."""
@@ -85,7 +89,7 @@ class StagedReceiver:
     def __init__(self, conn: "Connection") -> None:
         self.conn = conn
         cfg = conn.cfg
-        self.machine = P.FedRdmaReceiver(cfg.max_payload_bytes, cfg.no_progress_timeout_s, cfg.checksum == "crc32c")
+        self.machine = P.FedRdmaReceiver(cfg.max_payload_bytes, cfg.no_progress_timeout_s, integrity=conn.recv_integrity)
         self._incoming: Dict[int, _Reassembly] = {}
 
     @property
@@ -105,8 +109,9 @@ class StagedReceiver:
             raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: {hdr.length} bytes do not fit a "
                                       f"staging buffer of {conn.mem.staging.chunk_capacity}")  # type: ignore[union-attr]
         data = view[data_at:data_at + hdr.length]
+        meta = bytes(view[P.HEADER.size:P.HEADER.size + hdr.meta_len])  # the checksum covers it
         try:
-            placed = self.machine.on_chunk(hdr, data, time.monotonic())
+            placed = self.machine.on_chunk(hdr, data, time.monotonic(), meta)
         except (IntegrityError, PayloadTooLarge, RemoteProtocolError) as exc:
             self._forget(hdr.transfer_id)
             code = (ErrorCode.INTEGRITY if isinstance(exc, IntegrityError) else
@@ -128,13 +133,6 @@ class StagedReceiver:
                 inc = self._incoming[hdr.transfer_id] = _Reassembly(hdr.total, conn.endpoint.recv_buffers)
             copy_into(inc.dest, hdr.offset, data)  # the reassembly copy FedRDMA pays for
             if hdr.seq == 0:
-                meta = bytes(view[P.HEADER.size:P.HEADER.size + hdr.meta_len])
-                if hdr.has_crc and crc32c.crc32c(meta) != hdr.meta_crc:
-                    self.machine.cancel(hdr.transfer_id)
-                    self._forget(hdr.transfer_id)
-                    conn.refuse(hdr.transfer_id, ErrorCode.INTEGRITY, "metadata crc32c mismatch")
-                    conn.send_ctrl(ack)
-                    return
                 inc.meta = meta
         conn.send_ctrl(ack)
         if placed is not None and placed.complete:

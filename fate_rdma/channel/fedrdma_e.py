@@ -22,7 +22,7 @@ from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from .buffers import zero_fill
-from .checksum import payload_checksum, payload_checksum_async
+from .checksum import payload_checksum, payload_checksum_async, payload_leaves
 from .handshake import PoolOffer
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class SlotSender:
     def pump(self, o: "Outgoing") -> None:
         m = o.machine
         if o.checksums and o.crc_future is None:  # fell back to this mode late: start the checksum now
-            o.crc_future = payload_checksum_async(o.payload.views())
+            o.crc_future = payload_checksum_async(o.payload.views(), o.integrity)
             o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
         m.hold_header = o.checksums and not o.crc_future.done()
         for c in m.next_chunks():
@@ -74,8 +74,9 @@ class SlotSender:
             conn.post_data(qp, o, c, slot_mr, data_off, True, c.seq)
             return
         conn.post_data(qp, o, c, slot_mr, data_off, False, 0)
-        crc = o.crc_future.result() if o.checksums else None
-        conn.post_header(qp, o, o.machine.header(len(o.meta), crc, o.meta_crc), 0, slot_mr, 0, o.machine.imm)
+        digest = o.crc_future.result() if o.checksums else None
+        hdr = o.integrity.seal(o.machine.header(len(o.meta), None), o.meta, digest)
+        conn.post_header(qp, o, hdr, 0, slot_mr, 0, o.machine.imm)
 
     def on_write_complete(self, o: "Outgoing", seq: int) -> None:
         m: P.FedRdmaESender = o.machine
@@ -125,7 +126,7 @@ class SlotReceiver:
     def __init__(self, conn: "Connection", offer: PoolOffer) -> None:
         self.conn = conn
         self.machine = P.FedRdmaEReceiver(offer.slots, offer.slot_payload_bytes, offer.meta_cap,
-                                          conn.cfg.checksum == "crc32c")
+                                          integrity=conn.recv_integrity)
 
     def on_write_imm(self, imm: int) -> None:
         conn = self.conn
@@ -135,7 +136,7 @@ class SlotReceiver:
         try:
             msg = self.machine.on_write_imm(imm, view)
         except RemoteProtocolError as exc:
-            # a header we can read, refused (no checksum, sizes beyond the slot): refuse that transfer and
+            # a header we can read, refused (not the checksum required, sizes beyond the slot, a replay): refuse it and
             # give the slot back; anything worse (no such slot, a slot still held, garbage) ends the connection
             try:
                 tid = P.decode_header(bytes(view[:P.HEADER.size])).transfer_id
@@ -150,9 +151,12 @@ class SlotReceiver:
         h = msg.header
         meta = view[msg.meta_offset:msg.meta_offset + h.meta_len]
         payload = view[msg.payload_offset:msg.payload_offset + h.total]
+        integrity = self.machine.integrity
         try:
-            if h.has_crc:
+            if integrity.kind == "crc32c":
                 self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum([payload]))
+            elif integrity.kind == "blake2b":
+                self.machine.verify_tag(msg, bytes(meta), payload_leaves([payload], integrity.key))
         except IntegrityError as exc:
             conn.refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
             self._credit(slot)

@@ -12,6 +12,14 @@ Hello (version 1):
     qps        int   queue pairs it wants per connection, 1..MAX_QPS (the smaller offer wins)
     pool       null or {"slots", "slot_payload_bytes", "meta_cap"}: its FedRDMA-E receive slots
     staging    null or {"count", "buf_bytes", "meta_cap"}: its FedRDMA staging buffers
+    checksum   "crc32c", "blake2b" or "none": what it requires of every transfer it receives, which is
+               also what it sends with (one setting per endpoint). Absent (an endpoint that predates
+               it): not checked here; its frames still meet the receiver's rule one by one.
+
+Checksum agreement: each side compares the peer's announced checksum with its own, and a difference
+fails the connection on both sides with a ConfigError that names both settings, before any memory is
+registered. A peer that does not announce one (or lies) and sends another checksum has each such
+transfer refused by the receiver as a protocol error (protocol/integrity.py).
 """
 from __future__ import annotations
 
@@ -22,8 +30,9 @@ from typing import Any, Dict, Mapping, Optional
 
 import easypyverbs as ev
 
-from ..errors import RemoteProtocolError
+from ..errors import ConfigError, RemoteProtocolError
 from ..protocol.frames import HEADER, MAX_META
+from ..protocol.integrity import KINDS as CHECKSUMS
 
 VERSION = 1
 MAX_QPS = 64
@@ -114,12 +123,13 @@ class Hello:
     qps: int
     pool: Optional[PoolOffer] = None
     staging: Optional[StagingOffer] = None
+    checksum: Optional[str] = None
     version: int = VERSION
 
     def to_wire(self) -> Dict[str, Any]:
         return {"fate_rdma": self.version, "name": self.name, "qps": self.qps,
                 "pool": dataclasses.asdict(self.pool) if self.pool else None,
-                "staging": dataclasses.asdict(self.staging) if self.staging else None}
+                "staging": dataclasses.asdict(self.staging) if self.staging else None, "checksum": self.checksum}
 
     @classmethod
     def from_wire(cls, obj: Any, where: str) -> "Hello":
@@ -135,14 +145,25 @@ class Hello:
             raise RemoteProtocolError(f"hello from {where}: field 'name' must be a string of 1-{MAX_NAME} characters")
         pool = _section(obj, "pool", where)
         staging = _section(obj, "staging", where)
+        checksum = obj.get("checksum")
+        if checksum is not None and checksum not in CHECKSUMS:
+            raise RemoteProtocolError(f"hello from {where}: field 'checksum' must be one of {CHECKSUMS} or null, "
+                                      f"got {checksum!r}"[:300])
         return cls(name, _int(obj, "qps", 1, MAX_QPS, where),
                    PoolOffer.from_wire(pool, where) if pool is not None else None,
-                   StagingOffer.from_wire(staging, where) if staging is not None else None)
+                   StagingOffer.from_wire(staging, where) if staging is not None else None, checksum)
 
 
 def exchange_hello(boot: ev.BootstrapConn, mine: Hello, timeout_s: float) -> Hello:
     """Send our hello, read and validate the peer's."""
     return Hello.from_wire(boot.exchange(mine.to_wire(), timeout_s), f"{boot.peer[0]}:{boot.peer[1]}")
+
+
+def agree_checksum(mine: str, peer: Hello) -> None:
+    """Both sides must use the same checksum: the receiver requires its own of every transfer."""
+    if peer.checksum is not None and peer.checksum != mine:
+        raise ConfigError(f"fate-rdma: {peer.name} has checksum {peer.checksum!r} and this side {mine!r}; a receiver "
+                          f"requires its checksum of every transfer: set the same checksum at every party")
 
 
 def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:
@@ -161,7 +182,9 @@ def bootstrap_closed(boot: ev.BootstrapConn) -> bool:
     try:
         if not select.select([sock], [], [], 0)[0]:  # (a peek on a socket with a timeout would wait)
             return False
-        return sock.recv(1, socket.MSG_PEEK) == b""
+        # the TCP stream itself, also under TLS (an SSLSocket takes no recv flags): nothing but the peer's
+        # end of file is due there once the connection is set up (tls.py: no session tickets)
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK) == b""
     except (BlockingIOError, InterruptedError):
         return False
     except (OSError, ValueError):

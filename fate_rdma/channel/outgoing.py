@@ -4,8 +4,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional
 
-import crc32c
-
+from ..protocol.integrity import Integrity
 from ..protocol.policy import Mode
 from .transfer import Payload, TransferFuture
 
@@ -28,11 +27,12 @@ class Wr(enum.Enum):
 class Outgoing:
     """An outgoing transfer as the engine sees it."""
 
-    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, checksums: bool) -> None:
+    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, integrity: Integrity) -> None:
         self.fut, self.payload, self.meta = fut, payload, meta
-        self.checksums = checksums
-        self.meta_crc = crc32c.crc32c(meta) if checksums else 0
-        #: FedRDMA-E whole-payload checksum, computed while the first chunks are on the wire
+        #: the checksum (and for blake2b the key) this side's transfers to the peer carry
+        self.integrity = integrity
+        self.checksums = integrity.on
+        #: FedRDMA-E whole-payload checksum (crc32c, or BLAKE2b leaves), computed while the first chunks are on the wire
         self.crc_future: Any = None
         self.mode: Optional[Mode] = None
         self.machine: Any = None

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "launch": ("fate_rdma.cli.launch", "run a FATE launcher script with fate-rdma switched on"),
     "flow": ("fate_rdma.cli.flow", "fate-flow jobs: once-per-site setup/remove/check of dag.conf.extra.fate_rdma"),
     "secret": ("fate_rdma.cli.secret", "write a fresh federation secret for peer authentication (secret_file)"),
+    "tls": ("fate_rdma.cli.tls", "make a federation CA and each party's TLS certificate and key (tls: true)"),
     "vm": ("fate_rdma.cli.vm", "run a command in a qemu VM with a Soft-RoCE (rxe0) RDMA device: real verbs, no NIC"),
     "eval": ("fate_rdma.cli.eval", "evaluation on the WAN testbed: TCP, gRPC, fedrdma, fedrdma-e on one link (JSONL, table, plot)"),
     "wan": ("fate_rdma.cli.wan", "a WAN testbed with real packets: sites as namespaces, shaped links (up/down/status/check)"),

@@ -26,7 +26,11 @@ SITE_HEADER = """\
 #   flow_address: host:port of this site's fate-flow API, only where tasks cannot tell (they normally can)
 #   secret_file: the federation's shared secret (the same at every site; `fate-rdma secret FILE`, mode 600):
 #                endpoints prove it to each other before anything is allocated; required unless every
-#                endpoint is on loopback
+#                endpoint is on loopback (or tls is on)
+#   tls:         true = mutual TLS 1.3 on every connection between endpoints (soft provider: data too);
+#                each party's certificate names it ("guest:9999"), so one party cannot pose as another
+#   tls_cert, tls_key, tls_ca: this site's certificate, its key (mode 600) and the federation's CA
+#                certificate (PEM; `fate-rdma tls init DIR --parties ...` makes them)
 """
 
 
@@ -55,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--flow-address", help="host:port of this site's fate-flow API (only where tasks cannot tell)")
     s.add_argument("--secret-file", help="the federation's shared secret (same file at every site; make one with "
                                          "`fate-rdma secret FILE`); needed unless all endpoints are on loopback")
+    s.add_argument("--tls", dest="tls", action="store_const", const=True, default=None,
+                   help="mutual TLS between endpoints (needs --tls-cert, --tls-key, --tls-ca, here or already set)")
+    s.add_argument("--no-tls", dest="tls", action="store_const", const=False, help="switch TLS off")
+    s.add_argument("--tls-cert", help="this site's certificate (PEM; `fate-rdma tls init` makes one per party)")
+    s.add_argument("--tls-key", help="the key of --tls-cert (PEM, mode 600)")
+    s.add_argument("--tls-ca", help="the federation CA's certificate (PEM), the same at every site")
     r = sub.add_parser("remove", parents=[common], help="remove the hook and the site file",
                        description="Undo `flow setup`: remove the start-up hook (also used by `fate-rdma launch`) "
                                    "from this Python and the site file.")
@@ -85,9 +95,16 @@ def _check_site(site: Dict[str, Any], path: str) -> List[str]:
     if not site.get("endpoints"):
         return [f"{path}: no endpoints; give --endpoint ROLE:PARTY_ID=HOST:PORT for every party"]
     try:
-        RdmaFederationConfig.from_section({k: v for k, v in site.items() if k != "flow_address"})
+        cfg = RdmaFederationConfig.from_section({k: v for k, v in site.items() if k != "flow_address"})
     except (ConfigError, TypeError, ValueError) as exc:
         return [f"{path}: {exc}"]
+    if cfg.channel.tls:  # the certificate must name one of the parties (this site's own)
+        from ..channel.tls import certificate_names
+
+        names = certificate_names(str(cfg.channel.tls_cert))
+        if names is not None and not set(names) & set(cfg.endpoints):
+            return [f"{path}: tls_cert {cfg.channel.tls_cert} names {', '.join(names)}, none of the parties in "
+                    f"endpoints; give this site the certificate `fate-rdma tls init` issued for its party"]
     return []
 
 
@@ -159,10 +176,11 @@ def run(args: argparse.Namespace) -> int:
         new = dict(site)
         if args.endpoint:
             new["endpoints"] = {**(site.get("endpoints") or {}), **endpoints}
-        for key in ("listen_host", "provider", "device", "flow_address", "secret_file"):
+        paths = ("secret_file", "tls_cert", "tls_key", "tls_ca")
+        for key in ("listen_host", "provider", "device", "flow_address", "tls") + paths:
             val = getattr(args, key)
             if val is not None:
-                new[key] = os.path.abspath(val) if key == "secret_file" else val
+                new[key] = os.path.abspath(val) if key in paths else val
         new.setdefault("provider", "auto")
         problems += _check_site(new, site_path)
         if problems and not args.dry_run:

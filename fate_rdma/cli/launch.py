@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
               "processes would not see fate-rdma; run `fate-rdma hook install` first", file=sys.stderr)
         return 2
     conf, secret_dir = os.path.abspath(args.conf), None
-    if cfg.channel.secret_file is None and cfg.channel.auth != "none":
+    if cfg.channel.secret_file is None and cfg.channel.auth != "none" and not cfg.channel.tls:
         if not all(_loopback(a.rpartition(":")[0]) for a in cfg.endpoints.values()):
             print("fate-rdma launch: parties on other hosts need the federation's shared secret: set secret_file "
                   "in the fate_rdma section (the same secret at every site; `fate-rdma secret FILE` makes one)",

@@ -15,8 +15,9 @@ edited or registered, the server is not restarted, and a job without the section
 What is per job (the section) and what is per site (the site file, written once by the operator with
 `fate-rdma flow setup`): the section may carry any channel key (mode, chunk_bytes, window, slot_bytes,
 ...) and enabled, threshold_bytes, fallback, pull_timeout_s; the site file carries `endpoints` (this
-site's parties and its peers), `listen_host`, `provider`, `device`, optionally `flow_address` and channel
-defaults. A site key in the section is an error.
+site's parties and its peers), `listen_host`, `provider`, `device`, optionally `flow_address`, the
+security keys (`secret_file`, `auth`, `tls`, `tls_cert`, `tls_key`, `tls_ca`: a job can neither point at
+other credentials nor switch them off) and channel defaults. A site key in the section is an error.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from ..errors import ConfigError, FateRdmaError
 log = logging.getLogger("fate_rdma.federation")
 
 SITE_ENV = "FATE_RDMA_SITE"
-SITE_ONLY_KEYS = ("endpoints", "listen_host", "provider", "device", "flow_address", "secret_file", "auth")
+SITE_ONLY_KEYS = ("endpoints", "listen_host", "provider", "device", "flow_address", "secret_file", "auth", "tls",
+                  "tls_cert", "tls_key", "tls_ca")
 #: the job query is local (this party's own fate-flow); 10 s covers a busy server on a small machine
 FLOW_QUERY_TIMEOUT_S = 10.0
 SETUP_HINT = "fate-rdma flow setup --endpoint ROLE:PARTY_ID=HOST:PORT ... (once per site)"

@@ -3,8 +3,8 @@ small descriptor travels through FATE's own federation under the same name and t
 ordering, blocking `get`, duplicate-name checks and errors therefore stay FATE's own.
 
 Descriptor (through FATE): DESC_MAGIC + JSON {"id", "length", "crc32c", "src", "endpoint", "session", "frame"}.
-"crc32c" is null when the channel's own end-to-end crc32c already covers the bytes (checksum: crc32c,
-the default), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
+"crc32c" is null when the channel's own end-to-end checksum already covers the bytes (checksum: crc32c,
+the default, or blake2b), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
 FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic cannot be mistaken.
 """
 from __future__ import annotations
@@ -72,7 +72,8 @@ class RdmaFederation:
         host, _, port = me.rpartition(":")
         # only the job's parties may connect, each proving its own endpoint address (with a secret)
         self.endpoint = Endpoint(cfg.channel, cfg.listen_host or host, int(port), name=me,
-                                 allowed_peers=set(cfg.endpoints.values()) - {me})
+                                 allowed_peers=set(cfg.endpoints.values()) - {me},
+                                 party_names={addr: party for party, addr in cfg.endpoints.items()})  # tls: true
         self._orig_push: Callable[..., Any] = fed._push_bytes
         self._orig_pull: Callable[..., Any] = fed._pull_bytes
         self._orig_destroy: Callable[..., Any] = fed._destroy
@@ -81,7 +82,10 @@ class RdmaFederation:
         self._store = _Store()
         self._warned_fallback: set = set()
         self._fallback_tables: List[Any] = []
-        self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0}
+        self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0,
+                      # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
+                      "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
+                      "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0}
         self._stop = False
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
@@ -117,7 +121,11 @@ class RdmaFederation:
     # -- push -----------------------------------------------------------------------------------
     def frame(self, value: Any) -> Optional[frames.OutFrame]:
         """`value` as an array frame if it carries at least `threshold` bytes of arrays, else None."""
-        return frames.encode(value, self.threshold)
+        t0 = time.perf_counter()
+        try:
+            return frames.encode(value, self.threshold)
+        finally:
+            self.stats["frame_seconds"] += time.perf_counter() - t0
 
     def _push_bytes(self, v: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
         framed = isinstance(v, frames.OutFrame)
@@ -126,7 +134,7 @@ class RdmaFederation:
         t0 = time.perf_counter()
         bufs = v.buffers if framed else [v]
         crc: Optional[int] = None
-        if self.cfg.channel.checksum != "crc32c":  # else the channel checks every byte end to end already
+        if self.cfg.channel.checksum == "none":  # else the channel checks every byte end to end already
             crc = 0
             for b in bufs:
                 crc = crc32c.crc32c(b, crc)
@@ -143,14 +151,18 @@ class RdmaFederation:
         for p, key, fut in sends:
             err: Optional[BaseException] = fut if isinstance(fut, BaseException) else None
             if err is None:
+                t1 = time.perf_counter()
                 try:
                     fut.result(self.cfg.channel.transfer_timeout_s)
                 except FateRdmaError as exc:
                     err = exc
+                self.stats["send_seconds"] += time.perf_counter() - t1
             if err is None:
                 desc = {"id": key, "length": len(v), "crc32c": crc, "src": party_key(self.local),
                         "endpoint": self.endpoint.name, "session": self.fed.session_id, "frame": framed}
+                t1 = time.perf_counter()
                 self._orig_push(v=DESC_MAGIC + json.dumps(desc).encode(), name=name, tag=tag, parties=[p])
+                self.stats["descriptor_push_seconds"] += time.perf_counter() - t1
                 self.stats["rdma_bytes"] += len(v)
                 self.stats["rdma_transfers"] += 1
             elif self.cfg.fallback == "fate" and not isinstance(err, ConfigError):
@@ -198,7 +210,9 @@ class RdmaFederation:
 
     # -- pull -----------------------------------------------------------------------------------
     def _pull_bytes(self, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[bytes]:
+        t0 = time.perf_counter()
         got = self._orig_pull(name=name, tag=tag, parties=parties)
+        self.stats["descriptor_wait_seconds"] += time.perf_counter() - t0
         out = []
         for p, b in zip(parties, got):
             if isinstance(b, (bytes, bytearray)) and bytes(b[:len(DESC_MAGIC)]) == DESC_MAGIC:
@@ -214,7 +228,9 @@ class RdmaFederation:
             crc = None if crc is None else int(crc)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise IntegrityError(f"fate-rdma: malformed descriptor for {name!r} from {party_key(party)}: {exc}") from exc
+        t0 = time.perf_counter()
         data = self._store.take(key, self.cfg.pull_timeout_s)
+        self.stats["payload_wait_seconds"] += time.perf_counter() - t0
         if len(data) != length:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: {len(data)} bytes arrived, descriptor says {length}")
         if crc is not None and crc32c.crc32c(data) != crc:

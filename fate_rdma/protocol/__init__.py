@@ -8,9 +8,10 @@ from .fedrdma import FedRdmaReceiver, FedRdmaSender
 from .fedrdma_e import FedRdmaEReceiver, FedRdmaESender, SlotRing
 from .frames import (CTRL, HEADER, Ctrl, CtrlKind, Header, HeaderKind, decode_ctrl, decode_header,
                      encode_ctrl, encode_header)
+from .integrity import Integrity
 
 __all__ = [
     "CTRL", "Chunk", "Ctrl", "CtrlKind", "FedRdmaEReceiver", "FedRdmaESender", "FedRdmaReceiver",
-    "FedRdmaSender", "HEADER", "Header", "HeaderKind", "SlotRing", "decode_ctrl", "decode_header",
+    "FedRdmaSender", "HEADER", "Header", "HeaderKind", "Integrity", "SlotRing", "decode_ctrl", "decode_header",
     "encode_ctrl", "encode_header", "plan_chunks",
 ]

@@ -1,7 +1,8 @@
 """FedRDMA (paper §3.1): chunks with a header each, staged and reassembled, one ACK per chunk.
 
 Beyond the paper: a window of W chunks in flight (W=1 is the paper's stop-and-wait), a no-progress
-deadline and a total deadline, cancellation, and per-chunk crc32c.
+deadline and a total deadline, cancellation, and a checksum of every chunk (crc32c or a BLAKE2b MAC:
+integrity.py).
 
 Sender states (transitions in `FedRdmaSender.TRANSITIONS`; anything else is a LocalProtocolError):
     SENDING --all ACKed--> DONE;  SENDING --cancel--> CANCELLED;  SENDING --fail--> FAILED
@@ -14,12 +15,11 @@ import dataclasses
 import enum
 from typing import Dict, List, Optional, Set
 
-import crc32c
-
 from ..errors import (IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError, TransferCancelled,
                       TransferTimeout)
 from .chunking import Chunk, plan_chunks
 from .frames import Header, HeaderKind
+from .integrity import Integrity
 
 
 class SendState(enum.Enum):
@@ -217,18 +217,25 @@ class FedRdmaReceiver:
     """Reassembly bookkeeping for every transfer arriving on one connection.
 
     `on_chunk` validates a chunk against what is known of its transfer and says where it goes; a
-    duplicate (a resent chunk) answers None: re-ACK it, do not copy it again.
+    duplicate (a resent chunk) answers None: re-ACK it, do not copy it again. `integrity`: the checksum
+    this receiver requires of every chunk (default crc32c, or none when `verify_crc` is false).
     """
 
-    def __init__(self, max_total_bytes: int, no_progress_s: float = 30.0, verify_crc: bool = True) -> None:
+    def __init__(self, max_total_bytes: int, no_progress_s: float = 30.0, verify_crc: bool = True,
+                 integrity: "Integrity | None" = None) -> None:
         self.max_total_bytes = max_total_bytes
         self.no_progress_s = no_progress_s
-        self.verify_crc = verify_crc
+        self.integrity = integrity or Integrity("crc32c" if verify_crc else "none")
         self._partial: Dict[int, _Partial] = {}
         self._finished: Set[int] = set()
         self._cancelled: Set[int] = set()
 
-    def on_chunk(self, hdr: Header, data: memoryview, now: float) -> Optional[Placed]:
+    @property
+    def verify_crc(self) -> bool:
+        return self.integrity.on
+
+    def on_chunk(self, hdr: Header, data: memoryview, now: float, meta: bytes = b"") -> Optional[Placed]:
+        """`meta`: the metadata that arrived with chunk 0 (its checksum covers it)."""
         if hdr.kind is not HeaderKind.CHUNK:
             raise RemoteProtocolError(f"transfer {hdr.transfer_id}: FedRDMA expects CHUNK headers, got {hdr.kind.name}")
         if len(data) != hdr.length:
@@ -236,13 +243,15 @@ class FedRdmaReceiver:
                                       f"{len(data)} arrived")
         if hdr.transfer_id in self._finished or hdr.transfer_id in self._cancelled:
             return None  # a late duplicate of a finished or cancelled transfer
-        if self.verify_crc and not hdr.has_crc:  # integrity is the receiver's decision, not the sender's
+        try:  # integrity is the receiver's decision, not the sender's
+            self.integrity.require(hdr, f"transfer {hdr.transfer_id} chunk {hdr.seq}")
+        except RemoteProtocolError:
             self._drop(hdr.transfer_id)
-            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: no checksum, and this receiver "
-                                      f"requires crc32c on every chunk")
-        if self.verify_crc and crc32c.crc32c(data) != hdr.crc:
+            raise
+        if not self.integrity.verify(hdr, meta, self.integrity.chunk_digest([data])):
             self._drop(hdr.transfer_id)
-            raise IntegrityError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: crc32c mismatch", hdr.transfer_id)
+            raise IntegrityError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: {self.integrity.kind} mismatch "
+                                 f"(payload, metadata or header fields)", hdr.transfer_id)
         p = self._partial.get(hdr.transfer_id)
         first = p is None
         if first:

@@ -9,8 +9,9 @@ gets a view of the slot and releases it, which sends a CREDIT back; the sender's
 moves to the next slot after each transfer and wraps around, waiting for credit when the next slot
 is still held.
 
-Beyond the paper: W chunks in flight (W=1 is stop-and-wait), whole-payload crc32c, deadlines,
-cancellation. With several QPs, placement order across QPs is not guaranteed, so the header chunk
+Beyond the paper: W chunks in flight (W=1 is stop-and-wait), a whole-payload checksum (crc32c or a
+BLAKE2b MAC: integrity.py), deadlines, cancellation, and a refusal of transfer ids seen before (a
+replayed slot write). With several QPs, placement order across QPs is not guaranteed, so the header chunk
 waits until every other chunk has completed (RC completion = placed at the responder).
 
 Sender states (`FedRdmaESender.TRANSITIONS`; anything else is a LocalProtocolError):
@@ -22,13 +23,15 @@ a PLACED transfer that the receiver does not confirm within the no-progress dead
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import List, Optional, Set
+from typing import Deque, List, Optional, Set
 
 from ..errors import IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError, TransferTimeout
 from .chunking import Chunk, plan_chunks
 from .fedrdma import TERMINAL, SendEvent, SenderBase, SendState
 from .frames import HEADER, MAX_META, Header, HeaderKind, decode_header
+from .integrity import Integrity
 
 
 def slot_payload_offset(meta_cap: int) -> int:
@@ -172,15 +175,39 @@ class SlotMessage:
     payload_offset: int
 
 
-class FedRdmaEReceiver:
-    """Validates WRITE_WITH_IMM arrivals against the slot pool and tracks which slots are held."""
+#: transfer ids a FedRDMA-E receiver remembers: a sender's ids count up, so one older than the last
+#: REPLAY_WINDOW seen, or one of them, is a replay (ids of one connection arrive nearly in order)
+REPLAY_WINDOW = 4096
 
-    def __init__(self, nslots: int, slot_payload_bytes: int, meta_cap: int = MAX_META, verify_crc: bool = True) -> None:
+
+class FedRdmaEReceiver:
+    """Validates WRITE_WITH_IMM arrivals against the slot pool and tracks which slots are held.
+    `integrity`: the checksum this receiver requires (default crc32c, or none when `verify_crc` is false)."""
+
+    def __init__(self, nslots: int, slot_payload_bytes: int, meta_cap: int = MAX_META, verify_crc: bool = True,
+                 integrity: Optional[Integrity] = None) -> None:
         if meta_cap > MAX_META:
             raise LocalProtocolError(f"meta_cap {meta_cap} exceeds {MAX_META}")
         self.nslots, self.slot_payload_bytes, self.meta_cap = nslots, slot_payload_bytes, meta_cap
-        self.verify_crc = verify_crc
+        self.integrity = integrity or Integrity("crc32c" if verify_crc else "none")
         self._held: Set[int] = set()
+        self._seen: Set[int] = set()
+        self._seen_order: Deque[int] = collections.deque()
+        self._forgotten = -1  # the largest id that left the window
+
+    @property
+    def verify_crc(self) -> bool:
+        return self.integrity.on
+
+    def _replay_check(self, tid: int, slot: int) -> None:
+        if tid in self._seen or tid <= self._forgotten:
+            raise RemoteProtocolError(f"slot {slot}: transfer {tid} arrived before (a replayed slot write)")
+        self._seen.add(tid)
+        self._seen_order.append(tid)
+        if len(self._seen_order) > REPLAY_WINDOW:
+            old = self._seen_order.popleft()
+            self._seen.discard(old)
+            self._forgotten = max(self._forgotten, old)
 
     @property
     def slot_bytes(self) -> int:
@@ -196,23 +223,34 @@ class FedRdmaEReceiver:
         hdr = decode_header(bytes(slot_header[:HEADER.size]))
         if hdr.kind is not HeaderKind.SLOT:
             raise RemoteProtocolError(f"slot {slot}: expected a SLOT header, got {hdr.kind.name}")
-        if self.verify_crc and not hdr.has_crc:  # integrity is the receiver's decision, not the sender's
-            raise RemoteProtocolError(f"slot {slot}: transfer {hdr.transfer_id} carries no checksum, and this receiver "
-                                      f"requires crc32c")
+        # integrity is the receiver's decision, not the sender's
+        self.integrity.require(hdr, f"slot {slot}: transfer {hdr.transfer_id}")
         if hdr.total > self.slot_payload_bytes or hdr.meta_len > self.meta_cap:
             raise RemoteProtocolError(f"slot {slot}: header claims {hdr.total} payload / {hdr.meta_len} metadata "
                                       f"bytes; the slot holds {self.slot_payload_bytes} / {self.meta_cap}")
+        self._replay_check(hdr.transfer_id, slot)
         self._held.add(slot)
         return SlotMessage(slot, hdr, HEADER.size, slot_payload_offset(self.meta_cap))
 
     def verify(self, msg: SlotMessage, meta_crc: int, payload_crc: int) -> None:
-        """Compare the checksums the caller computed over the slot with the header's; on mismatch
-        the slot is freed and IntegrityError raised. (Computing them is I/O-free but parallel, so
-        the caller does it.)"""
+        """crc32c: compare the checksums the caller computed over the slot with the header's; on
+        mismatch the slot is freed and IntegrityError raised. (Computing them is I/O-free but
+        parallel, so the caller does it.)"""
         h = msg.header
         if self.verify_crc and (payload_crc != h.crc or meta_crc != h.meta_crc):
-            self._held.discard(msg.slot)
-            raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): checksum mismatch", h.transfer_id)
+            self._mismatch(msg)
+
+    def verify_tag(self, msg: SlotMessage, meta: bytes, leaf_digests: bytes) -> None:
+        """blake2b: check the header's tag against the metadata and the payload's leaf digests, which
+        the caller computed in parallel (channel/checksum.py); on mismatch as `verify`."""
+        if not self.integrity.verify(msg.header, meta, leaf_digests):
+            self._mismatch(msg)
+
+    def _mismatch(self, msg: SlotMessage) -> None:
+        h = msg.header
+        self._held.discard(msg.slot)
+        raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): {self.integrity.kind} mismatch "
+                             f"(payload, metadata or header fields)", h.transfer_id)
 
     def release(self, slot: int) -> None:
         if slot not in self._held:

@@ -6,8 +6,10 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
     magic        u16  0xFD4A
     version      u8   1
     kind         u8   HeaderKind: CHUNK (FedRDMA) or SLOT (FedRDMA-E)
-    flags        u16  bit 0: crc is set (checksums on)
-    reserved     u16  0
+    flags        u16  bit 0 FLAG_CRC: crc and meta_crc are set (checksum crc32c);
+                      bit 1 FLAG_MAC: the last 16 bytes are a BLAKE2b tag (checksum blake2b);
+                      neither: no checksum. Both, or any other bit: a protocol error
+    reserved     u16  0 (anything else is a protocol error)
     transfer_id  u64  unique per sender and connection
     seq          u32  chunk number (0-based); FedRDMA-E: always 0
     nchunks      u32  chunks in the transfer
@@ -15,10 +17,21 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
     length       u32  bytes of payload in this chunk
     meta_len     u32  bytes of metadata after the header (chunk 0 / the slot only)
     total        u64  payload bytes of the whole transfer
+    -- bytes 48..63: FLAG_CRC or no checksum --
     crc          u32  crc32c: of this chunk (FedRDMA) or of the whole payload (FedRDMA-E)
     meta_crc     u32  crc32c of the metadata bytes (0 when there are none)
     reserved2    u32  0
     reserved3    u32  0 (keeps the header 64 bytes)
+    -- bytes 48..63: FLAG_MAC --
+    tag          16 B keyed BLAKE2b-128 over bytes 0..47 of this header (every field above, FLAG_MAC
+                      included), the metadata and the payload bytes (FedRDMA: this chunk's; FedRDMA-E:
+                      the whole payload's), keyed per direction by the connection's session key. The
+                      construction is in integrity.py.
+
+The MAC takes the four u32 that crc32c leaves to two checksums and two reserved fields: the header
+keeps its size and version, and one flag bit says which reading applies. Decoding is canonical
+(reserved fields and unknown flags are refused), so `encode_header(decode_header(raw)) == raw` for
+every header accepted and the receiver may MAC the re-encoded fields.
 
 CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL; at most
 `MAX_REASON`): control messages that travel as SENDs on the first QP of a connection.
@@ -39,13 +52,19 @@ import dataclasses
 import enum
 import struct
 
-from ..errors import RemoteProtocolError
+from ..errors import LocalProtocolError, RemoteProtocolError
 
 MAGIC = 0xFD4A
 VERSION = 1
 HEADER = struct.Struct("!HBBHHQIIQIIQIIII")
 CTRL = struct.Struct("!HBBHHQQQ")
 FLAG_CRC = 1
+FLAG_MAC = 2
+#: bytes of a BLAKE2b tag: the header's last four u32
+TAG_BYTES = 16
+#: the header's bytes that every checksum's MAC covers: all but the crc / tag area
+HEADER_FIELDS_BYTES = HEADER.size - TAG_BYTES
+_TAIL = struct.Struct("!IIII")
 #: metadata rides in the header area of a FedRDMA-E slot; 64 KiB is plenty for names, tags and gRPC metadata
 MAX_META = 64 * 1024
 MAX_REASON = 1024
@@ -89,6 +108,14 @@ class Header:
     crc: int = 0
     meta_crc: int = 0
     has_crc: bool = False
+    #: FLAG_MAC: `tag` (TAG_BYTES) replaces crc and meta_crc; zeros until the sender seals the header
+    has_mac: bool = False
+    tag: bytes = b""
+
+    @property
+    def checksum(self) -> str:
+        """The checksum this header carries, named as ChannelConfig.checksum names it."""
+        return "blake2b" if self.has_mac else "crc32c" if self.has_crc else "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,22 +128,37 @@ class Ctrl:
 
 
 def encode_header(h: Header) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, int(h.kind), FLAG_CRC if h.has_crc else 0, 0, h.transfer_id, h.seq,
-                       h.nchunks, h.offset, h.length, h.meta_len, h.total, h.crc, h.meta_crc, 0, 0)
+    if h.has_crc and h.has_mac:
+        raise LocalProtocolError("a header carries crc32c or a MAC tag, not both")
+    if h.has_mac:
+        tag = h.tag or bytes(TAG_BYTES)
+        if len(tag) != TAG_BYTES:
+            raise LocalProtocolError(f"MAC tag of {len(tag)} bytes, the header holds {TAG_BYTES}")
+        tail = _TAIL.unpack(tag)
+    else:
+        tail = (h.crc, h.meta_crc, 0, 0)
+    flags = (FLAG_CRC if h.has_crc else 0) | (FLAG_MAC if h.has_mac else 0)
+    return HEADER.pack(MAGIC, VERSION, int(h.kind), flags, 0, h.transfer_id, h.seq, h.nchunks, h.offset, h.length,
+                       h.meta_len, h.total, *tail)
 
 
 def decode_header(buf: bytes) -> Header:
     """Parse and validate a HEADER; anything inconsistent is a RemoteProtocolError."""
     if len(buf) < HEADER.size:
         raise RemoteProtocolError(f"header of {len(buf)} bytes, need {HEADER.size}")
-    (magic, version, kind, flags, _, tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc,
-     _, _) = HEADER.unpack_from(buf)
+    (magic, version, kind, flags, reserved, tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc,
+     r2, r3) = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise RemoteProtocolError(f"bad magic {magic:#06x} in header (expected {MAGIC:#06x})")
     if version != VERSION:
         raise RemoteProtocolError(f"header version {version}, this side speaks {VERSION}")
     if kind not in HeaderKind.__members__.values():
         raise RemoteProtocolError(f"unknown header kind {kind}")
+    if flags & ~(FLAG_CRC | FLAG_MAC) or flags == FLAG_CRC | FLAG_MAC:
+        raise RemoteProtocolError(f"header field 'flags' = {flags:#x}: unknown bits, or crc32c and MAC at once")
+    has_mac = bool(flags & FLAG_MAC)
+    if reserved or (not has_mac and (r2 or r3)):
+        raise RemoteProtocolError("header reserved fields are not zero")
     if nchunks < 1 or seq >= nchunks:
         raise RemoteProtocolError(f"chunk {seq} of {nchunks}: out of range")
     if offset + length > total:
@@ -125,6 +167,9 @@ def decode_header(buf: bytes) -> Header:
         raise RemoteProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META}")
     if meta_len and seq != 0:
         raise RemoteProtocolError("metadata on a chunk other than chunk 0")
+    if has_mac:
+        return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, 0, 0, False, True,
+                      bytes(buf[HEADER_FIELDS_BYTES:HEADER.size]))
     return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc, bool(flags & FLAG_CRC))
 
 

@@ -13,6 +13,7 @@ from typing import Any, Deque, Dict, List, Optional
 from ...api import CQ, MR, PD, QP, Context
 from ...enums import Access
 from ...errors import EasyVerbsError
+from ...tls import TLS_RECORD_HANDSHAKE, MutualTLS, TLSStream, first_byte, handshake
 from ...types import WC, DeviceInfo, PortInfo, QPCap
 from . import samehost, wire
 from .link import Link, LinkModel
@@ -40,8 +41,11 @@ class SoftContext(Context):
         # answers from hardware. 30 s matches the channel's default no-progress deadline.
         retry_timeout_s: float = 30.0,
         same_host: Optional[bool] = None,
+        # mutual TLS on every data connection, both ways (links that are not private); None = plaintext
+        tls: Optional[MutualTLS] = None,
     ) -> None:
         super().__init__("soft0")
+        self.tls = tls
         self.link_model = link or LinkModel()
         self.link = Link(self.link_model) if self.link_model.active else None
         # same-host path (samehost.py): on unless switched off, and never under a link model (a WAN)
@@ -63,7 +67,12 @@ class SoftContext(Context):
         self.nic_address = f"{advertise_host or bind_host}:{port}"
         self._acceptor = threading.Thread(target=self._accept_loop, name="soft-nic-accept", daemon=True)
         self._acceptor.start()
-        log.info("opened %s at %s (link: %s)", SOFT_LABEL, self.nic_address, self.link_model.describe())
+        log.info("opened %s at %s (link: %s)%s", SOFT_LABEL, self.nic_address, self.link_model.describe(),
+                 ", data connections over mutual TLS 1.3" if tls else "")
+        if tls is not None and self.same_host:
+            log.info("soft NIC %s: transfers to a peer on this host take the same-host path: payloads are copied "
+                     "between the two processes' memory (process_vm_readv) and cross no network; only request "
+                     "headers and answers travel over TLS", self.nic_address)
 
     # -- tables ---------------------------------------------------------------------------------
     def _new_key(self) -> int:
@@ -107,14 +116,31 @@ class SoftContext(Context):
                 continue
             threading.Thread(target=self._handshake, args=(sock,), name="soft-nic-hello", daemon=True).start()
 
-    def _handshake(self, sock: socket.socket) -> None:
+    def _tls_accept(self, sock: socket.socket, timeout_s: float) -> TLSStream:
+        """The TLS side of an accepted connection; a plaintext HELLO is answered HELLO_TLS_REQUIRED (in
+        plaintext, so the peer can say why) and refused."""
+        assert self.tls is not None
+        if first_byte(sock, timeout_s) == wire.HELLO_MAGIC[:1]:
+            wire.recv_exactly(sock, wire.HELLO.size)
+            sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, wire.HELLO_TLS_REQUIRED, 0))
+            raise EasyVerbsError("refused a plaintext connection: this NIC takes TLS connections only")
+        try:
+            return TLSStream(handshake(sock, self.tls.server, True, timeout_s), timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise EasyVerbsError(f"TLS handshake failed: {exc}") from exc
+
+    def _handshake(self, sock: Any) -> None:
         try:
             sock.settimeout(5.0)
+            if self.tls is not None:
+                sock = self._tls_accept(sock, 5.0)
             raw = wire.recv_exactly(sock, wire.HELLO.size)
             (magic, version, kind, flags, src_qpn, dst_qpn, psn, fwd_delay_us, token, pid, probe_addr,
              probe) = wire.HELLO.unpack(raw)
             if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 1:
-                raise EasyVerbsError("not a soft-verbs HELLO")
+                tls = raw[:1] == TLS_RECORD_HANDSHAKE
+                raise EasyVerbsError("not a soft-verbs HELLO" + (" but a TLS ClientHello: the peer has TLS on, this "
+                                                                  "NIC has it off" if tls else ""))
             with self._lock:
                 qp = self._qps.get(dst_qpn)
             status = wire.HELLO_OK if qp is not None else wire.HELLO_NO_QP

@@ -21,6 +21,7 @@ from typing import Any, Deque, List, Optional
 from ...api import CQ, OPCODE_OF, PD, QP, SGE
 from ...enums import QPState, WCOpcode, WCStatus
 from ...errors import EasyVerbsError, UsageError
+from ...tls import TLSStream, handshake
 from ...types import WC, QPCap, QPInfo
 from . import samehost, wire
 from .link import DelayLine
@@ -52,8 +53,8 @@ class SoftQP(Responder, QP):
         self._inflight: Deque[_WR] = collections.deque()
         self._outstanding = 0
         self._recv_q: Deque[Any] = collections.deque()
-        self._req_sock: Optional[socket.socket] = None
-        self._resp_sock: Optional[socket.socket] = None
+        self._req_sock: Optional[Any] = None  # a socket, or a TLSStream with TLS on
+        self._resp_sock: Optional[Any] = None
         self._resp_lock = threading.Lock()
         self._threads: List[threading.Thread] = []
         self._ack_line: Optional[DelayLine] = None
@@ -89,6 +90,15 @@ class SoftQP(Responder, QP):
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
         except OSError as exc:
             raise EasyVerbsError(f"soft QP {self.qpn}: cannot reach peer NIC {remote.gid}: {exc}", exc.errno) from exc
+        tls = self.ctx.tls  # type: ignore[attr-defined]
+        if tls is not None:
+            try:
+                sock = TLSStream(handshake(sock, tls.client, False, timeout_s), timeout_s)
+            except OSError as exc:  # ssl.SSLError, TimeoutError, a reset
+                sock.close()
+                raise EasyVerbsError(f"soft QP {self.qpn}: TLS handshake with peer NIC {remote.gid} failed: {exc} "
+                                     f"(this side has TLS on: does the peer NIC, and does its certificate come from "
+                                     f"this side's CA?)") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             token = bytes.fromhex(remote.token).ljust(wire.TOKEN_BYTES, b"\0")[:wire.TOKEN_BYTES]
@@ -105,7 +115,9 @@ class SoftQP(Responder, QP):
         if magic != wire.HELLO_MAGIC or version != wire.VERSION or kind != 2 or status != wire.HELLO_OK:
             sock.close()
             why = {wire.HELLO_NO_QP: "no such QP", wire.HELLO_BUSY: "QP already connected",
-                   wire.HELLO_BAD_TOKEN: "wrong attach token"}.get(status, "bad reply")
+                   wire.HELLO_BAD_TOKEN: "wrong attach token",
+                   wire.HELLO_TLS_REQUIRED: "that NIC takes TLS connections only (TLS on there, off here)",
+                   }.get(status, "bad reply")
             raise EasyVerbsError(f"soft QP {self.qpn}: peer {remote.gid} refused QP {remote.qpn}: {why}")
         wire.set_kernel_timeouts(sock, self.ctx.retry_timeout_s)  # type: ignore[attr-defined]
         self._pull = bool(flags & wire.FLAG_SAME_HOST)
@@ -120,10 +132,14 @@ class SoftQP(Responder, QP):
 
     @property
     def data_path(self) -> str:
-        """How this QP's outgoing payloads reach the peer: "same-host (process_vm_readv)" or "tcp"."""
-        return "same-host (process_vm_readv)" if self._pull else "tcp"
+        """How this QP's outgoing payloads reach the peer: "same-host (process_vm_readv)", "tcp" or
+        "tcp+tls" (the context's `tls`)."""
+        tls = isinstance(self._req_sock, TLSStream)
+        if self._pull:  # under TLS too: the payload is a copy between two processes of this host
+            return "same-host (process_vm_readv)" + (", headers over tls" if tls else "")
+        return "tcp+tls" if tls else "tcp"
 
-    def attach_responder(self, sock: socket.socket, src_qpn: int, psn: int, fwd_delay_s: float,
+    def attach_responder(self, sock: Any, src_qpn: int, psn: int, fwd_delay_s: float,
                          pull_pid: int = 0) -> bool:
         """Called by the NIC when the peer's requester dials this QP (`pull_pid`: same-host path)."""
         with self._cv:

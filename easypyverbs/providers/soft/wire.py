@@ -11,7 +11,11 @@ HELLO (requester -> responder NIC), `!4sBBHIIIQ16sIQ16s`, 72 bytes:
     pid u32, probe_addr u64, probe 16 bytes (same-host path: the responder must read `probe` at
     `probe_addr` in process `pid` with process_vm_readv before it uses the path; see samehost.py)
 HELLO_REPLY (responder -> requester), `!4sBBHH`, 10 bytes: magic, version, kind (=2), status u16 (0 ok,
-    1 no such QP, 2 QP already connected, 3 wrong token), flags u16 (bit 0: same-host path on)
+    1 no such QP, 2 QP already connected, 3 wrong token, 4 this NIC takes TLS connections only: sent
+    in plaintext to a plaintext HELLO, then closed), flags u16 (bit 0: same-host path on)
+
+With TLS on (`SoftContext(tls=...)`), a connection is a mutual TLS 1.3 connection from its first byte;
+every frame above travels inside it (`easypyverbs.tls.TLSStream`: the calls below take either).
 
 With the same-host path on, a SEND or WRITE request carries opcode bit 0x40 and, instead of its
 payload, PULL `!I` (count) then count x `!QQ` (address, length) in the requester's memory.
@@ -28,7 +32,9 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import List, Sequence
+from typing import Any, List, Sequence
+
+from ...tls import TLSStream
 
 VERSION = 1
 HELLO = struct.Struct("!4sBBHIIIQ16sIQ16s")
@@ -47,7 +53,7 @@ OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
 OP_HAS_IMM = 0x80
 OP_PULL = 0x40  # same-host path: the payload is read from the requester's memory
 ACK, NAK, READ_RESP = 1, 2, 3
-HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN = 0, 1, 2, 3
+HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN, HELLO_TLS_REQUIRED = 0, 1, 2, 3, 4
 TOKEN_BYTES = 16
 
 
@@ -57,6 +63,9 @@ def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     Unlike `settimeout`, which polls before every call (halving large-transfer throughput here),
     this keeps Python's direct blocking path and still bounds every wait.
     """
+    if isinstance(sock, TLSStream):  # it waits in poll itself, with the same bound
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     sec = int(seconds)
     tv = struct.pack("ll", sec, int((seconds - sec) * 1e6))
@@ -92,8 +101,10 @@ def drain(sock: socket.socket, n: int, scratch: memoryview) -> None:
         n -= k
 
 
-def more_pending(sock: socket.socket) -> bool:
+def more_pending(sock: Any) -> bool:
     """True if bytes of a next frame are already readable (used to coalesce ACKs)."""
+    if isinstance(sock, TLSStream):
+        return sock.more_pending()
     try:
         return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except (BlockingIOError, InterruptedError):
@@ -102,8 +113,11 @@ def more_pending(sock: socket.socket) -> bool:
         return False
 
 
-def send_buffers(sock: socket.socket, bufs: Sequence[memoryview]) -> None:
+def send_buffers(sock: Any, bufs: Sequence[memoryview]) -> None:
     """Send every buffer in order with vectored writes, handling partial sends."""
+    if isinstance(sock, TLSStream):
+        sock.send_buffers(bufs)
+        return
     pending: List[memoryview] = [b for b in bufs if b.nbytes]
     while pending:
         sent = sock.sendmsg(pending[:512])

@@ -1,0 +1,102 @@
+"""The channel alone, for `bench fate`: the bytes of one FedAvg round moved between three processes
+(two clients and the arbiter) with nothing but fate-rdma endpoints, the same configuration as the
+FATE job beside it. Per round: from a barrier, both clients send their upload to the arbiter at once;
+when it holds both, the arbiter sends the download to each; the round ends when both clients hold it.
+No FATE, no serialization, no aggregation: what `bench fate`'s fate-rdma round would cost if the
+integration added nothing. Round time = the slower client's; median over rounds.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import tempfile
+import time
+from typing import Any, Dict, List
+
+from .fate_federation import free_ports
+from .report import median
+
+ROLES = ("guest", "host", "arbiter")
+
+
+def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, down: int, rounds: int,
+           barrier: Any, results: Any, timeout: float) -> None:
+    import numpy as np
+
+    from ..channel import Endpoint
+    from ..config import ChannelConfig
+
+    try:
+        host, _, port = addrs[role].rpartition(":")
+        with Endpoint(ChannelConfig(**config), host, int(port), name=addrs[role]) as ep:
+            arbiter = addrs["arbiter"]
+            if role == "arbiter":
+                payload = np.full(down, 7, dtype=np.uint8)
+                clients = [addrs["guest"], addrs["host"]]
+            else:
+                payload = np.full(up, 1 if role == "guest" else 2, dtype=np.uint8)
+                ep.connect(arbiter)  # connection set-up is not part of a round (the FATE job connects once too)
+            times: List[float] = []
+            for _ in range(rounds):
+                barrier.wait(timeout)
+                t0 = time.perf_counter()
+                if role == "arbiter":
+                    got = [ep.recv(timeout=timeout) for _ in clients]
+                    for m in got:
+                        m.release()
+                    for f in [ep.send(c, payload) for c in clients]:
+                        f.result(timeout)
+                else:
+                    ep.send(arbiter, payload).result(timeout)
+                    msg = ep.recv(timeout=timeout)
+                    times.append(time.perf_counter() - t0)
+                    ok = msg.nbytes == down and msg.view[0] == 7 and msg.view[-1] == 7
+                    msg.release()
+                    if not ok:
+                        raise RuntimeError("the download arrived with the wrong size or contents")
+                barrier.wait(timeout)  # no party starts the next round (or closes) before both clients are done
+            results.put((role, times, None))
+    except BaseException as exc:  # reported to the parent, which names the party
+        results.put((role, [], f"{type(exc).__name__}: {exc}"))
+
+
+def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int = 3,
+            timeout: float = 600.0) -> Dict[str, Any]:
+    """Run the three parties; returns {"round_seconds": median, "round_seconds_all": [...]}.
+    `config`: ChannelConfig fields (a per-run secret is added when none is given)."""
+    from ..channel.auth import write_secret
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fate-rdma-channel-alone-") as tmp:
+        config = dict(config)
+        if not config.get("secret_file") and config.get("auth", "auto") != "none":
+            config["secret_file"] = os.path.join(tmp, "secret")
+            write_secret(config["secret_file"])
+        addrs = {r: f"127.0.0.1:{p}" for r, p in zip(ROLES, free_ports(len(ROLES)))}
+        barrier, results = ctx.Barrier(len(ROLES)), ctx.Queue()
+        procs = [ctx.Process(target=_party, args=(r, config, addrs, up_bytes, down_bytes, rounds, barrier, results,
+                                                  timeout), name=f"channel-alone-{r}", daemon=True) for r in ROLES]
+        for p in procs:
+            p.start()
+        got: Dict[str, List[float]] = {}
+        errors = []
+        try:
+            for _ in ROLES:
+                role, times, err = results.get(timeout=timeout * (rounds + 1))
+                got[role] = times
+                if err:
+                    errors.append(f"{role}: {err}")
+                    break
+        except queue.Empty:
+            errors.append(f"no result within {timeout * (rounds + 1):.0f} s")
+        finally:
+            for p in procs:
+                p.join(5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise RuntimeError("bench fate: the channel-alone run failed: " + "; ".join(errors))
+    per_round = [max(a, b) for a, b in zip(got["guest"], got["host"])]
+    return {"round_seconds": median(per_round), "round_seconds_all": per_round}

@@ -1,0 +1,145 @@
+"""What proves a transfer's bytes, and the receiver's rule that every transfer carries the proof it requires.
+
+Three settings (ChannelConfig.checksum), one per endpoint, announced in the connection hello:
+
+    crc32c   accidents: crc32c of each chunk (FedRDMA) or of the whole payload (FedRDMA-E), and of the metadata
+    blake2b  a man in the middle: a keyed BLAKE2b tag that he cannot recompute without the key
+    none     nothing (trusted links, or the application checks)
+
+The receiver decides: a header that carries another checksum than the receiver's is a
+RemoteProtocolError naming the header field ('flags'), whatever the sender thinks.
+
+The BLAKE2b tag (128 bits, in the header's last 16 bytes; frames.py) uses BLAKE2's tree mode, so the
+payload is hashed in parallel 4 MiB blocks as crc32c is (hashlib releases the GIL):
+
+    leaf i  keyed BLAKE2b-256 of block i of the payload (FedRDMA: of the chunk), tree parameters
+            fanout 0, depth 2, leaf_size 4 MiB, inner_size 32, node_offset i, node_depth 0,
+            last_node on the last block
+    tag     keyed BLAKE2b-128, node_depth 1, last_node, over
+            header bytes 0..47 || metadata (meta_len bytes) || leaf 0 || leaf 1 || ...
+
+Header bytes 0..47 hold every field that says what the bytes are and where they go (transfer_id, seq,
+nchunks, offset, length, meta_len, total, flags), so a forger can neither alter bytes nor move them
+to another offset, chunk or transfer. The encoding is unambiguous: the header fixes the metadata's
+length and, through `length` or `total`, the number of leaves. The key is one direction's MAC key
+(auth.mac_keys: from the connection's session key, which never leaves the process), so a tag does
+not verify in the other direction or on another connection.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+from typing import List, Sequence, Union
+
+import crc32c
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+from .frames import HEADER_FIELDS_BYTES, TAG_BYTES, Header, encode_header
+
+KINDS = ("crc32c", "blake2b", "none")
+#: the parallel block: large enough that a block's hashing outweighs handing it to a thread
+BLOCK_BYTES = 4 << 20
+LEAF_BYTES = 32
+MIN_KEY_BYTES = 16
+_TREE = dict(fanout=0, depth=2, leaf_size=BLOCK_BYTES, inner_size=LEAF_BYTES)
+_NAMES = {"crc32c": "crc32c", "blake2b": "a BLAKE2b MAC", "none": "no checksum"}
+
+#: what a payload's checksum is before it goes into a header: crc32c (int), leaf digests (bytes), or None
+Digest = Union[int, bytes, None]
+
+
+def blocks(views: Sequence[memoryview]) -> List[List[memoryview]]:
+    """Fixed BLOCK_BYTES blocks of the concatenated payload, each as the pieces of the buffers it covers (no copy)."""
+    out: List[List[memoryview]] = []
+    room = 0
+    for v in views:
+        pos = 0
+        while pos < v.nbytes:
+            if room == 0:
+                out.append([])
+                room = BLOCK_BYTES
+            take = min(room, v.nbytes - pos)
+            out[-1].append(v[pos:pos + take])
+            pos += take
+            room -= take
+    return out
+
+
+def leaf(key: bytes, index: int, last: bool, pieces: Sequence[memoryview]) -> bytes:
+    """The keyed BLAKE2b-256 digest of block `index` (the pieces of the buffers it covers)."""
+    h = hashlib.blake2b(digest_size=LEAF_BYTES, key=key, node_offset=index, node_depth=0, last_node=last, **_TREE)
+    for p in pieces:
+        h.update(p)
+    return h.digest()
+
+
+def leaves(key: bytes, views: Sequence[memoryview]) -> bytes:
+    """Every block's leaf digest, one after another (channel/checksum.py computes the same in parallel)."""
+    bs = blocks(views)
+    return b"".join(leaf(key, i, i == len(bs) - 1, b) for i, b in enumerate(bs))
+
+
+def tag(key: bytes, header: Header, meta: bytes, leaf_digests: bytes) -> bytes:
+    """The BLAKE2b tag of a header (its first 48 bytes), its metadata and its payload's leaves."""
+    if len(meta) != header.meta_len:
+        raise LocalProtocolError(f"metadata of {len(meta)} bytes, the header says {header.meta_len}")
+    h = hashlib.blake2b(digest_size=TAG_BYTES, key=key, node_offset=0, node_depth=1, last_node=True, **_TREE)
+    h.update(encode_header(dataclasses.replace(header, has_crc=False, has_mac=True, tag=b""))[:HEADER_FIELDS_BYTES])
+    h.update(meta)
+    h.update(leaf_digests)
+    return h.digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Integrity:
+    """One direction's checksum: `kind`, and for blake2b the direction's MAC key (never printed)."""
+
+    kind: str = "crc32c"
+    key: bytes = dataclasses.field(default=b"", repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LocalProtocolError(f"checksum must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "blake2b" and not MIN_KEY_BYTES <= len(self.key) <= 64:
+            raise LocalProtocolError("checksum blake2b needs a key of 16-64 bytes (an authenticated connection's)")
+
+    @property
+    def on(self) -> bool:
+        return self.kind != "none"
+
+    def require(self, h: Header, where: str) -> None:
+        """The receiver's rule: `h` carries exactly the checksum this side requires."""
+        if h.checksum != self.kind:
+            raise RemoteProtocolError(f"{where}: header field 'flags' says {_NAMES[h.checksum]}, and this receiver "
+                                      f"requires {_NAMES[self.kind]} (checksum: {self.kind}) of every transfer")
+
+    def chunk_digest(self, views: Sequence[memoryview]) -> Digest:
+        """The payload part of a FedRDMA chunk's checksum, in this thread (FedRDMA-E's whole payload:
+        channel/checksum.py, in parallel blocks)."""
+        if self.kind == "crc32c":
+            crc = 0
+            for v in views:
+                crc = crc32c.crc32c(v, crc)
+            return crc
+        return leaves(self.key, views) if self.kind == "blake2b" else None
+
+    def seal(self, h: Header, meta: bytes, digest: Digest) -> Header:
+        """The sender's header with this checksum in it; `digest` is chunk_digest of a FedRDMA chunk, or
+        channel/checksum.payload_digest of a FedRDMA-E payload."""
+        if self.kind == "crc32c":
+            return dataclasses.replace(h, crc=int(digest or 0), meta_crc=crc32c.crc32c(meta),
+                                       has_crc=True, has_mac=False, tag=b"")
+        if self.kind == "blake2b":
+            h = dataclasses.replace(h, crc=0, meta_crc=0, has_crc=False, has_mac=True, tag=b"")
+            return dataclasses.replace(h, tag=tag(self.key, h, meta, bytes(digest or b"")))
+        return dataclasses.replace(h, crc=0, meta_crc=0, has_crc=False, has_mac=False, tag=b"")
+
+    def verify(self, h: Header, meta: bytes, digest: Digest) -> bool:
+        """Whether `h` (which passed `require`) matches the metadata and the payload `digest` that arrived."""
+        if self.kind == "crc32c":
+            return digest == h.crc and crc32c.crc32c(meta) == h.meta_crc
+        if self.kind == "blake2b":
+            return hmac.compare_digest(tag(self.key, h, meta, bytes(digest or b"")), h.tag)
+        return True
+
