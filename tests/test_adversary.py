@@ -163,6 +163,35 @@ def test_unauthenticated_connections_cost_nothing(secret):
         victim.close()
 
 
+def test_one_source_cannot_take_every_handshake_slot(secret):
+    """Strangers from one address that open connections and fall silent hold at most a quarter of the
+    pending-handshake slots of an endpoint on a routable address, so a party from elsewhere gets in
+    while they wait for their deadline (without that cap they held every slot until it passed)."""
+    victim_cfg = cfg("fedrdma-e", secret, max_pending_handshakes=8, connect_timeout_s=20)
+    with Endpoint(victim_cfg, host="0.0.0.0", allowed_peers=["client-a"]) as victim:
+        port = int(victim.address.rpartition(":")[2])
+        victim.name = f"127.0.0.1:{port}"  # what the party dials, and the name the victim proves
+        socks = []
+        try:
+            for _ in range(8):
+                s = socket.socket()
+                s.bind(("127.0.0.2", 0))  # another address of this machine: "another host"
+                s.connect(("127.0.0.1", port))
+                s.sendall(_auth_hello("client-a")[:6])  # a few bytes, then silence
+                socks.append(s)
+            deadline = time.monotonic() + 5
+            while victim.refused < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert victim.refused == 6  # two slots for 127.0.0.2, the other six refused at accept
+            data = os.urandom(3 * CHUNK)
+            with Endpoint(cfg("fedrdma-e", secret, connect_timeout_s=3), name="client-a") as ep:
+                ep.send(victim.name, data).result(20)  # from 127.0.0.1, while the strangers hold their slots
+            assert bytes(victim.recv(timeout=20).detach()) == data
+        finally:
+            for s in socks:
+                s.close()
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("required,sent", [("crc32c", "none"), ("blake2b", "crc32c")])
 def test_integrity_is_the_receivers_decision(mode, secret, provider, monkeypatch, required, sent):

@@ -68,3 +68,53 @@ def test_cli_help_and_usage_errors():
     assert out.returncode == 0 and "doctor" in out.stdout and "bench" in out.stdout
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "nope"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
+
+
+def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch):
+    """Like a NIC, the soft NIC finishes (or fails) a WRITE it is placing before a deregistration of its
+    target MR returns: once `close` has returned, no byte changes in that memory; a WRITE with the old
+    rkey afterwards fails with REM_ACCESS_ERR. (FedRDMA-E revokes a slot this way when its transfer
+    arrives, before checking the checksum: a peer's late WRITE must not change what was checked.)"""
+    import threading
+    import time
+
+    from easypyverbs.providers.soft import wire
+
+    from .verbs_pair import close_pair, make_pair
+
+    real = wire.recv_exactly_into
+
+    def slow_sender(sock, view):  # the payload of a large WRITE arrives in two halves, 0.6 s apart
+        if view.nbytes < 1 << 20:
+            return real(sock, view)
+        half = view.nbytes // 2
+        real(sock, view[:half])
+        time.sleep(0.6)
+        real(sock, view[half:])
+
+    monkeypatch.setattr(wire, "recv_exactly_into", slow_sender)
+    size = 4 << 20
+    a, b = make_pair("soft-tcp", size=size, retry_timeout_s=10.0)
+    try:
+        a.buf[:] = b"\xab" * size
+        remote = b.mr.remote()
+        a.qp.post_write(a.mr.sge(0, size), remote, wr_id=1)
+        time.sleep(0.2)  # the first half is in place, the second on its way
+        t0 = time.monotonic()
+        closer = threading.Thread(target=b.mr.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+        waited = time.monotonic() - t0
+        snapshot = bytes(b.buf)
+        (wc,) = a.cq.wait_n(1, 30)
+        time.sleep(0.3)
+        assert bytes(b.buf) == snapshot  # nothing landed after the deregistration returned
+        assert wc.status == ev.WCStatus.SUCCESS and snapshot == bytes(a.buf), wc  # placed whole, before it
+        print(f"\nderegistration waited {waited:.2f} s for the WRITE being placed")
+        a.qp.post_write(a.mr.sge(0, 4096), remote, wr_id=2)
+        (wc2,) = a.cq.wait_n(1, 30)
+        assert wc2.status == ev.WCStatus.REM_ACCESS_ERR
+        assert bytes(b.buf) == snapshot
+    finally:
+        close_pair([a, b])

@@ -71,6 +71,11 @@ class Endpoint:
         self.recv_buffers = RecvBuffers(config.recv_cache_bytes)
         self.budget = Budget(config.budget_bytes)
         self._pending = threading.BoundedSemaphore(config.max_pending_handshakes)
+        # handshakes pending per source address; loopback is one address for every local process (tests, one
+        # machine), so it gets the whole cap
+        self._pending_by_source: Dict[str, int] = {}
+        self._per_source_cap = (config.max_pending_handshakes if _loopback(host)
+                                else max(2, config.max_pending_handshakes // 4))
         self.refused = 0  # connections closed unauthenticated or over the pending cap (for tests and doctor)
         self._closed = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
@@ -94,11 +99,19 @@ class Endpoint:
                 boot = self.listener.accept(timeout_s=0.5)
             except ev.BootstrapError:
                 continue
-            if not self._pending.acquire(blocking=False):  # bounded: no thread per stranger
+            source = boot.peer[0]
+            with self._lock:  # one source address gets a quarter of the handshake slots: a flood from one host
+                crowded = self._pending_by_source.get(source, 0) >= self._per_source_cap  # leaves the rest to others
+                if not crowded:
+                    self._pending_by_source[source] = self._pending_by_source.get(source, 0) + 1
+            if crowded or not self._pending.acquire(blocking=False):  # bounded: no thread per stranger
+                if not crowded:
+                    self._source_done(source)
                 self.refused += 1
                 if self.refused in (1, 10, 100, 1000):
-                    log.warning("fate-rdma endpoint %s: %d handshakes already pending; closed a connection from %s "
-                                "(%d so far)", self.name, self.config.max_pending_handshakes, boot.peer, self.refused)
+                    log.warning("fate-rdma endpoint %s: %d handshakes already pending%s; closed a connection from %s "
+                                "(%d so far)", self.name, self.config.max_pending_handshakes if not crowded else
+                                self._per_source_cap, " from that address" if crowded else "", boot.peer, self.refused)
                 boot.close()
                 continue
             threading.Thread(target=self._accept_one, args=(boot,), name="fate-rdma-handshake", daemon=True).start()
@@ -128,11 +141,20 @@ class Endpoint:
             return
         finally:
             self._pending.release()
+            self._source_done(raw.peer[0])
         with self._lock:
             old = self._conns.get(conn.peer)
             self._conns[conn.peer] = conn
         if old is not None and old is not conn:
             old.close()
+
+    def _source_done(self, source: str) -> None:
+        with self._lock:
+            left = self._pending_by_source.get(source, 1) - 1
+            if left > 0:
+                self._pending_by_source[source] = left
+            else:
+                self._pending_by_source.pop(source, None)
 
     def connect(self, address: str) -> Connection:
         """The connection to the endpoint at `address` (host:port), made on first use and reused. With

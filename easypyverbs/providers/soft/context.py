@@ -208,8 +208,40 @@ class _SoftPD(PD):
 
 
 class SoftMR(MR):
+    """A soft MR. Like a NIC's, its deregistration is final for remote access: a WRITE the emulated NIC
+    is placing into it when it is closed finishes before `close` returns (the NIC completes or fails
+    in-flight DMA before the deregistration completes), and no byte lands after that. The wait is
+    bounded by the QP's receive timeout (a peer that stalls mid-WRITE fails its QP)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._remote = threading.Condition()
+        self._placing = 0
+        self._revoked = False
+
+    def begin_remote(self, offset: int, length: int) -> Optional[memoryview]:
+        """The view a remote WRITE may fill now, or None if the MR is being or has been deregistered;
+        pair with `end_remote`."""
+        with self._remote:
+            if self._revoked or self.closed:
+                return None
+            view = self.view(offset, length)
+            self._placing += 1
+            return view
+
+    def end_remote(self) -> None:
+        with self._remote:
+            self._placing -= 1
+            self._remote.notify_all()
+
     def _close_impl(self) -> None:
         self.pd.ctx.remove_mr(self)  # type: ignore[attr-defined]
+        bound = getattr(self.pd.ctx, "retry_timeout_s", 30.0) + 5.0
+        with self._remote:
+            self._revoked = True
+            if not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
+                log.error("soft MR rkey %#x closed while a remote WRITE into it was still being placed after %.0f s",
+                          self.rkey, bound)
         super()._close_impl()
 
 

@@ -41,14 +41,18 @@ class Responder:
                 self._cv.wait(left)
             return self._recv_q.popleft() if self._recv_q else None
 
-    def _lookup(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[memoryview]:
+    def _find_mr(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[Any]:
         mr = self.ctx.mr_by_rkey(rkey)  # type: ignore[attr-defined]
         if mr is None or mr.pd is not self.pd or not mr.access & need:
             return None
         if raddr < mr.addr or raddr + length > mr.addr + mr.length:
             return None
+        return mr
+
+    def _lookup(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[memoryview]:
+        mr = self._find_mr(rkey, raddr, length, need)
         try:
-            return mr.view(raddr - mr.addr, length)
+            return None if mr is None else mr.view(raddr - mr.addr, length)
         except UsageError:  # deregistered meanwhile
             return None
 
@@ -119,18 +123,24 @@ class Responder:
                 self._answer(sock, due, wire.READ_RESP, psn, WCStatus.SUCCESS, payload=view)
             return
         if op == wire.OP_WRITE:
-            view = self._lookup(rkey, raddr, length, Access.REMOTE_WRITE)
+            # the MR stays registered until this WRITE is placed: a deregistration meanwhile waits for it
+            # (SoftMR.begin_remote), so no byte lands in memory whose registration has been revoked
+            mr = self._find_mr(rkey, raddr, length, Access.REMOTE_WRITE)
+            view = mr.begin_remote(raddr - mr.addr, length) if mr is not None else None
             if view is None:
                 self._drain(sock, length, spans)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
                 return
-            recv = self._take_recv() if has_imm else None
-            if has_imm and recv is None:
-                self._drain(sock, length, spans)
-                self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
-                return
-            if not self._place(sock, spans, [view], due, psn):
-                return
+            try:
+                recv = self._take_recv() if has_imm else None
+                if has_imm and recv is None:
+                    self._drain(sock, length, spans)
+                    self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
+                    return
+                if not self._place(sock, spans, [view], due, psn):
+                    return
+            finally:
+                mr.end_remote()
             if (recv is None and self._resp_line is None and due <= time.monotonic()
                     and self._unacked_bytes + length < ACK_EVERY_BYTES and wire.more_pending(sock)):
                 self._unacked_bytes += length
