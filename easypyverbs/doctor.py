@@ -69,8 +69,12 @@ def render(rep: Dict[str, Any]) -> str:
             for port in d["ports"]:
                 lines.append(f"    port {port['port']}   {port['state']}, {port['link_layer']}, MTU {port['mtu']}, "
                              f"max_msg_sz {port['max_msg_bytes']}, LID {port['lid']}")
+                empty = [g for g in port["gids"] if not g["gid"].replace("0", "").replace(":", "")]
                 for g in port["gids"]:
-                    lines.append(f"      GID[{g['index']}] {g['gid']} {g['type']}")
+                    if g not in empty:
+                        lines.append(f"      GID[{g['index']}] {g['gid']} {g['type']}")
+                if empty:
+                    lines.append(f"      ({len(empty)} empty GID entries not shown; --json lists them)")
     else:
         lines.append(f"  devices     none ({p['detail']})")
     s = rep["soft"]
