@@ -57,9 +57,18 @@ class ChannelConfig:
     #: "crc32c" end to end (hardware-accelerated, against accidents), "blake2b" a keyed BLAKE2b MAC of the
     #: payload, metadata and header fields (against a man in the middle; needs secret_file), or "none"
     checksum: str = "crc32c"
-    #: FedRDMA-E receive slots per peer, and the largest payload one slot takes
+    #: FedRDMA-E receive slots per peer, and the largest payload one slot takes: a slot grows to it on
+    #: demand (the sender asks before its first WRITE; the receiver reserves from memory_budget_bytes)
     pool_slots: int = 2
     slot_bytes: int = 256 * MiB
+    #: a slot's room at connect and after it shrinks: 1 MiB takes FATE's small objects (metadata, scalars,
+    #: small tensors) without a grow round trip; an idle peer costs pool_slots x (this + 64 KiB metadata area)
+    slot_initial_bytes: int = 1 * MiB
+    #: after this long without a transfer arriving, growing or being released, the receiver asks for its
+    #: grown slots back and shrinks them to slot_initial_bytes; 0 = never. 30 s: longer than the gaps
+    #: within one FedAvg exchange, so a round does not pay twice; an exchange after a shrink pays a GROW
+    #: round trip and faults its slot's pages in again (~0.3-1.4 s/GB, the same as the first round)
+    pool_idle_s: float = 30.0
     #: FedRDMA: largest payload accepted (the destination is allocated per transfer)
     max_payload_bytes: int = 64 << 30
     #: FedRDMA: reassembly buffers kept for reuse once nothing refers to them (fresh memory costs a page
@@ -130,6 +139,12 @@ class ChannelConfig:
             bad(f"pool_slots must be within [1, 1024], got {self.pool_slots}")
         if self.slot_bytes < 1:
             bad("slot_bytes must be positive")
+        if isinstance(self.slot_initial_bytes, bool) or not isinstance(self.slot_initial_bytes, int) \
+                or self.slot_initial_bytes < 0:
+            bad(f"slot_initial_bytes must be an integer >= 0, got {self.slot_initial_bytes!r}")
+        if isinstance(self.pool_idle_s, bool) or not isinstance(self.pool_idle_s, (int, float)) \
+                or not 0 <= self.pool_idle_s < float("inf"):
+            bad(f"pool_idle_s must be >= 0 (0 = never shrink), got {self.pool_idle_s!r}")
         if self.too_large not in ("error", "fedrdma"):
             bad(f"too_large must be 'error' or 'fedrdma', got {self.too_large!r}")
         for name in ("no_progress_timeout_s", "transfer_timeout_s", "connect_timeout_s"):

@@ -148,7 +148,9 @@ def test_unauthenticated_connections_cost_nothing(secret):
         time.sleep(1.0)
         during = victim.stats()
         legit_round_trip(victim, "fedrdma-e", secret)  # while the strangers still hold their sockets
-        after = victim.stats()
+        deadline = time.monotonic() + 5  # the victim notices the party's close within its 100 ms tick
+        while (after := victim.stats())["pool_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         grew = during["rss_bytes"] - before["rss_bytes"]
         print(f"\nadversary: 48 strangers: victim RSS +{grew / 2**20:.1f} MiB, threads {before['threads']} -> "
               f"{during['threads']}, refused {during['refused']}, budget held {during['budget_held_bytes']}")
@@ -257,8 +259,25 @@ def test_memory_budget_refuses_before_allocating(secret):
         legit_round_trip(victim, "fedrdma", secret)
     finally:
         victim.close()
-    # FedRDMA-E: a pool that does not fit the budget is never registered: the connection is refused
-    victim = Victim(cfg("fedrdma-e", secret, memory_budget_bytes=8 << 20, slot_bytes=16 << 20))
+    # FedRDMA-E: a slot's growth beyond the budget is refused at the sender's GROW, before any allocation
+    victim = Victim(cfg("fedrdma-e", secret, memory_budget_bytes=8 << 20, slot_bytes=16 << 20,
+                        slot_initial_bytes=1 << 20))
+    try:
+        with Endpoint(cfg("fedrdma-e", secret, slot_bytes=16 << 20), name="client-a") as ep:
+            ep.send(victim.address, b"x").result(10)
+            victim.expect()
+            before = victim.stats()
+            with pytest.raises(E.PayloadTooLarge, match="memory budget"):
+                ep.send(victim.address, bytes(12 << 20)).result(30)
+            st = victim.stats()
+            assert st["budget_held_bytes"] == before["budget_held_bytes"] < 3 << 20  # the two initial slots only
+            assert st["pool_bytes"] == before["pool_bytes"] and st["rss_bytes"] < before["rss_bytes"] + (4 << 20)
+        legit_round_trip(victim, "fedrdma-e", secret, nbytes=5 << 20, slot_bytes=16 << 20)  # within the budget: grows
+    finally:
+        victim.close()
+    # a pool whose initial slots do not fit the budget is never registered: the connection is refused
+    victim = Victim(cfg("fedrdma-e", secret, memory_budget_bytes=8 << 20, slot_bytes=16 << 20,
+                        slot_initial_bytes=16 << 20))
     try:
         with Endpoint(cfg("fedrdma-e", secret, slot_bytes=16 << 20), name="client-a") as ep:
             with pytest.raises(E.FateRdmaError):

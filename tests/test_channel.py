@@ -43,9 +43,9 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
 
 def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
     """provider "soft" (same-host path between these processes), "soft-tcp" (that path off: TCP, as
-    between hosts) or "pyverbs"."""
-    base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=1 << 20, provider=provider, window=4,
-                no_progress_timeout_s=10, connect_timeout_s=10)
+    between hosts) or "pyverbs". FedRDMA-E slots start at one chunk, so most transfers here grow them."""
+    base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=1 << 20, slot_initial_bytes=CHUNK, provider=provider,
+                window=4, no_progress_timeout_s=10, connect_timeout_s=10)
     if provider == "soft-tcp":
         base.update(provider="soft", same_host=False)
     base.update(kw)
@@ -270,7 +270,9 @@ def test_config_rejects_inconsistent_values():
     for kw, match in ((dict(mode="tcp"), "mode"), (dict(window=0), "window"), (dict(window=100, max_window=64), "exceeds"),
                       (dict(chunk_bytes=10), "chunk_bytes"), (dict(checksum="md5"), "checksum"),
                       (dict(provider="pyverbs", soft_link="rate=1gbit"), "soft_link"),
-                      (dict(no_progress_timeout_s=10, transfer_timeout_s=5), "no_progress")):
+                      (dict(no_progress_timeout_s=10, transfer_timeout_s=5), "no_progress"),
+                      (dict(slot_initial_bytes=-1), "slot_initial_bytes"), (dict(pool_idle_s=-1), "pool_idle_s"),
+                      (dict(pool_idle_s="soon"), "pool_idle_s")):
         with pytest.raises(E.ConfigError, match=match):
             ChannelConfig(**kw)
     with pytest.raises(E.ConfigError, match="unknown key"):
@@ -388,3 +390,4 @@ def test_large_payloads_at_once_several_to_one(mode, provider):
         for e in eps:
             e.close()
         peer.close()
+

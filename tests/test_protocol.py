@@ -302,7 +302,7 @@ def test_fedrdma_e_transition_table_is_closed():
     with pytest.raises(E.LocalProtocolError, match="not allowed in state placed"):
         s._move("complete")  # FedRDMA's event means nothing to FedRDMA-E
     s.on_confirm()
-    for ev in ("placed", "confirm", "cancel", "fail"):
+    for ev in ("placed", "confirm", "cancel", "fail", "room"):
         with pytest.raises(E.LocalProtocolError):
             s._move(ev)
 

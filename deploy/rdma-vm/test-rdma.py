@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # the legs that run on a real verbs device; their pyverbs parametrizations are picked with -k
 FILES = ["tests/test_verbs_conformance.py", "tests/test_verbs_processes.py", "tests/test_providers.py",
-         "tests/test_adversary.py"]
+         "tests/test_adversary.py", "tests/test_channel_pool.py"]
 # the tiny GPT-2 FedAvg (full fine-tune) through FATE's launcher, weights bitwise equal with and without
 # fate-rdma on pyverbs over rxe0. Importing torch and FATE-LLM under TCG takes minutes, so both jobs run from
 # one process that imported them once (tests/forked_jobs.py). The LoRA leg runs the same code on the

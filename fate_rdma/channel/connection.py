@@ -88,14 +88,15 @@ class Connection:
         self.peer = peer.name
         self.peer_hello = peer
         nqps = max(1, min(cfg.qps_per_peer, peer.qps))
-        offered = (pool.slots * pool.slot_bytes if pool else 0) + (staging.count * staging.buf_bytes if staging else 0)
+        # FedRDMA-E slots start small and reserve more as they grow (fedrdma_e.SlotReceiver.on_grow)
+        first = pool.slots * pool.offset_in_slot(min(cfg.slot_initial_bytes, cfg.slot_bytes)) if pool else 0
+        offered = first + (staging.count * staging.buf_bytes if staging else 0)
         if not self.endpoint.budget.reserve(offered):
             raise PayloadTooLarge(f"connection from {peer.name}: its receive memory ({offered} bytes) would exceed this "
                                   f"endpoint's memory budget ({self.endpoint.budget.limit_bytes} bytes, "
                                   f"{self.endpoint.budget.held_bytes} held)")
         self._reserved = offered
-        self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging)
-        self.pool_bytes = mem.pool_bytes
+        self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes)
         cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=8, max_recv_sge=1)
         for i in range(nqps):
             rc = ev.establish(ctx, boot, mrs=mem.remote_mrs if i == 0 else None, pd=pd, cap=cap, timeout_s=t,
@@ -117,6 +118,11 @@ class Connection:
         self.staged_receiver = StagedReceiver(self) if staging else None
         self.label = ctx.label
         self.emulated = ctx.emulated
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of this side's FedRDMA-E receive slots registered now (they follow the traffic)."""
+        return self.mem.pool_bytes if self.mem is not None else 0
 
     @property
     def rtt_s(self) -> Optional[float]:
@@ -400,10 +406,9 @@ class Connection:
             except TransferError as exc:
                 a.error = None  # the machine failed itself; fail_out records it and tells the peer
                 self.fail_out(a, exc, tell_peer=True)
-        if self.slot_sender is not None:
-            self.slot_sender.tick(now)
-        if self.staged_receiver is not None:
-            self.staged_receiver.tick(now)
+        for part in (self.slot_sender, self.slot_receiver, self.staged_receiver):
+            if part is not None:
+                part.tick(now)
 
     # -- teardown -------------------------------------------------------------------------------
     def _die(self, exc: BaseException, quiet: bool = False) -> None:

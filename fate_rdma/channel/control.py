@@ -88,10 +88,20 @@ def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
         if conn.staged_sender is None:
             raise RemoteProtocolError(f"{conn.peer} sent an ACK; this side never wrote to its staging buffers")
         conn.staged_sender.on_ack(c, a)
-    elif c.kind is CtrlKind.CREDIT:
+    elif c.kind in (CtrlKind.CREDIT, CtrlKind.RECLAIM):
         if conn.slot_sender is None:
-            raise RemoteProtocolError(f"{conn.peer} sent a CREDIT; it offered no receive pool")
-        conn.slot_sender.on_credit(int(c.value), int(c.aux))
+            raise RemoteProtocolError(f"{conn.peer} sent a {c.kind.name}; it offered no receive pool")
+        if c.kind is CtrlKind.CREDIT:
+            conn.slot_sender.on_credit(c, a)
+        else:
+            conn.slot_sender.on_reclaim(c)
+    elif c.kind in (CtrlKind.GROW, CtrlKind.RETURN):
+        if conn.slot_receiver is None:
+            raise RemoteProtocolError(f"{conn.peer} sent a {c.kind.name}; this side offered no receive pool")
+        if c.kind is CtrlKind.GROW:
+            conn.slot_receiver.on_grow(c)
+        else:
+            conn.slot_receiver.on_return(c)
     elif c.kind is CtrlKind.CANCEL:
         if a is not None and a.fut.transfer_id == c.transfer_id:
             conn.fail_out(a, TransferCancelled(f"transfer {c.transfer_id} cancelled by {conn.peer}: {c.reason}",
@@ -102,6 +112,8 @@ def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
         if conn.slot_sender is not None:
             conn.slot_sender.on_done(c.transfer_id, a)
     elif c.kind is CtrlKind.ERROR:
+        if conn.slot_sender is not None:
+            conn.slot_sender.on_refused(c.transfer_id)  # a refused GROW: the slot's old grant stands
         target = conn.slot_sender.placed.get(c.transfer_id) if conn.slot_sender is not None else None
         target = target or (a if a is not None and a.fut.transfer_id == c.transfer_id else None)
         if target is not None:

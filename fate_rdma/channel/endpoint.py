@@ -216,10 +216,20 @@ class Endpoint:
                 del self._conns[k]
 
     def pool_bytes(self) -> int:
-        """Bytes of FedRDMA-E receive pools registered (and resident) for all current peers."""
+        """Bytes of FedRDMA-E receive pools registered now for all current peers (they grow with the
+        traffic and shrink when idle; `pool_report` says how much is resident)."""
         with self._lock:
             conns = list({id(c): c for c in self._conns.values()}.values())
         return sum(c.pool_bytes for c in conns)
+
+    def pool_report(self) -> Dict[str, Any]:
+        """What the FedRDMA-E receive pools hold now: registered and resident bytes, in all and per peer
+        with each slot's room and state, and the memory budget (slots.pool_report; `doctor` prints it)."""
+        from .slots import pool_report
+
+        with self._lock:
+            conns = list({id(c): c for c in self._conns.values()}.values())
+        return pool_report(conns, self.budget)
 
     def peers(self) -> List[str]:
         with self._lock:

@@ -7,10 +7,15 @@ has completed the transfer is PLACED; the receiver's DONE (sent after its own ch
 DONE, an ERROR fails it.
 Receiving: the WRITE_WITH_IMM says a slot is complete: verify, answer DONE, hand out a view of the
 slot; releasing it sends the slot's CREDIT back.
+Slots follow the traffic (protocol/pool.py, slots.py): a payload larger than its slot's grant first
+sends GROW; the receiver reserves the room from its memory budget, registers the slot larger and
+CREDITs it (or refuses the transfer). A receiver idle for pool_idle_s RECLAIMs its grown slots; the
+sender RETURNs each once no transfer of its uses it, and the receiver shrinks it and CREDITs it again.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional
 
@@ -28,33 +33,42 @@ from .handshake import PoolOffer
 if TYPE_CHECKING:
     from .connection import Connection, Outgoing
 
+log = logging.getLogger("fate_rdma.channel")
+
 
 class SlotSender:
     """Posts FedRDMA-E transfers into the peer's receive slots and follows them to the peer's verdict."""
 
     def __init__(self, conn: "Connection", offer: PoolOffer) -> None:
         self.conn, self.offer = conn, offer
-        self.ring = P.SlotRing(offer.slots)
-        #: each slot's MR at the peer, as last granted (its CREDIT carries the new rkey)
+        #: each slot's MR at the peer, as last granted (its CREDIT carries the new rkey and room)
         self.slot_mrs: List[ev.RemoteMR] = []
         for i in range(offer.slots):
             mr = conn.remote.get(f"slot{i}")
-            if mr is None or mr.length < offer.slot_bytes:
+            if mr is None or not offer.offset_in_slot(0) <= mr.length <= offer.slot_bytes:
                 raise RemoteProtocolError(f"{conn.peer}: receive slot {i} of {offer.slots} has no MR of "
-                                          f"{offer.slot_bytes} bytes (got {mr.length if mr else 'none'})")
+                                          f"{offer.offset_in_slot(0)} to {offer.slot_bytes} bytes "
+                                          f"(got {mr.length if mr else 'none'})")
             self.slot_mrs.append(mr)
+        self.ring = P.SlotRing(offer.slots, [mr.length - offer.offset_in_slot(0) for mr in self.slot_mrs],
+                               offer.slot_payload_bytes, [mr.rkey for mr in self.slot_mrs])
         #: PLACED transfers, waiting for the receiver's DONE, by transfer id
         self.placed: Dict[int, "Outgoing"] = {}
 
     def machine(self, o: "Outgoing", window: int, common: Dict[str, float]) -> Optional[P.FedRdmaESender]:
-        """A machine for `o` in the next free slot, or None while no slot is free (wait for CREDIT)."""
-        slot = self.ring.acquire()
+        """A machine for `o` in the next free slot, or None while no slot is free (wait for CREDIT). A
+        payload larger than the slot's grant asks the peer for room first (GROW): the machine waits."""
+        slot = self.ring.acquire(o.payload.total)
         if slot is None:
             return None
         o.slot = slot
-        return P.FedRdmaESender(o.fut.transfer_id, o.fut.transfer_id & 0xFFFF, slot, o.payload.total,
-                                self.conn.cfg.chunk_bytes, window, slot_payload_bytes=self.offer.slot_payload_bytes,
-                                header_after_all=len(self.conn.rcs) > 1, **common)
+        tid = o.fut.transfer_id
+        m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total, self.conn.cfg.chunk_bytes, window,
+                             slot_payload_bytes=self.offer.slot_payload_bytes, room_bytes=self.ring.capacity[slot],
+                             header_after_all=len(self.conn.rcs) > 1, **common)
+        if m.state is P.fedrdma.SendState.GROWING:
+            self.conn.send_ctrl(self.ring.grow(slot, tid, o.payload.total))
+        return m
 
     def pump(self, o: "Outgoing") -> None:
         m = o.machine
@@ -97,12 +111,26 @@ class SlotSender:
                 and isinstance(active.machine, P.FedRdmaESender) and active.error is None:
             active.machine.on_confirm()  # noted; completes when its last WRITE does
 
-    def on_credit(self, slot: int, rkey: int) -> None:
-        """The peer released `slot` and granted it again under `rkey`."""
-        self.ring.credit(slot)
-        if not 0 <= rkey < 1 << 32:
-            raise RemoteProtocolError(f"{self.conn.peer}: CREDIT for slot {slot} carries rkey {rkey}")
-        self.slot_mrs[slot] = dataclasses.replace(self.slot_mrs[slot], rkey=rkey)
+    def on_credit(self, c: P.Ctrl, active: Optional["Outgoing"]) -> None:
+        """The peer granted a slot again (its new rkey and room); maybe the room `active` waits for."""
+        grew = self.ring.on_credit(c)  # every field checked
+        slot = int(c.value)
+        self.slot_mrs[slot] = dataclasses.replace(self.slot_mrs[slot], rkey=self.ring.rkey[slot],
+                                                  length=self.offer.offset_in_slot(self.ring.capacity[slot]))
+        if grew is not None and active is not None and active.fut.transfer_id == grew and active.error is None:
+            active.machine.on_room(self.ring.capacity[slot], time.monotonic())
+
+    def on_reclaim(self, c: P.Ctrl) -> None:
+        """The peer wants a grown slot back, to shrink it: returned now, or when our transfer in it ends."""
+        self._send(self.ring.on_reclaim(c))
+
+    def on_refused(self, tid: int) -> None:
+        """An ERROR for `tid`: if it waited for room, the slot's old grant stands (before the transfer fails)."""
+        self._send(self.ring.on_refused(tid))
+
+    def _send(self, c: Optional[P.Ctrl]) -> None:
+        if c is not None:
+            self.conn.send_ctrl(c)
 
     def forget(self, o: "Outgoing") -> None:
         """`o` failed: stop waiting for its verdict, and take its slot back if the peer never saw it."""
@@ -110,7 +138,7 @@ class SlotSender:
 
     def give_back_unused(self, o: "Outgoing") -> None:
         if o.slot is not None and not o.machine.header_posted:
-            self.ring.give_back(o.slot)
+            self._send(self.ring.give_back(o.slot))
 
     def tick(self, now: float) -> None:
         for tid, o in list(self.placed.items()):
@@ -121,12 +149,18 @@ class SlotSender:
 
 
 class SlotReceiver:
-    """Validates and delivers transfers that arrive complete in this side's receive slots."""
+    """Validates and delivers transfers that arrive complete in this side's receive slots, and grows and
+    shrinks the slots (the memory in conn.mem.slots, the grants in machine.pool)."""
 
     def __init__(self, conn: "Connection", offer: PoolOffer) -> None:
-        self.conn = conn
+        self.conn, self.offer = conn, offer
+        slots = conn.mem.slots
         self.machine = P.FedRdmaEReceiver(offer.slots, offer.slot_payload_bytes, offer.meta_cap,
-                                          integrity=conn.recv_integrity)
+                                          integrity=conn.recv_integrity, initial_payload_bytes=slots.initial_payload_bytes,
+                                          idle_s=conn.cfg.pool_idle_s, now=time.monotonic(),
+                                          rkeys=[mr.rkey for mr in slots.mrs])
+        self.pool = self.machine.pool
+        self._written: Dict[int, int] = {}  # slot -> bytes its last transfer announced (header to payload end)
 
     def on_write_imm(self, imm: int) -> None:
         conn = self.conn
@@ -134,7 +168,7 @@ class SlotReceiver:
         # a slot out of range is refused by the machine before it reads the (empty) view
         view = conn.mem.slot_view(slot) if slot < self.machine.nslots else memoryview(b"")
         try:
-            msg = self.machine.on_write_imm(imm, view)
+            msg = self.machine.on_write_imm(imm, view, time.monotonic())
         except RemoteProtocolError as exc:
             # a header we can read, refused (not the checksum required, sizes beyond the slot, a replay): refuse it and
             # give the slot back; anything worse (no such slot, a slot still held, garbage) ends the connection
@@ -145,10 +179,12 @@ class SlotReceiver:
             if slot in self.machine.held:
                 raise
             conn.refuse(tid, ErrorCode.PROTOCOL, str(exc))
+            self.pool.refuse(slot)
             self._credit(slot)
             return
         conn.mem.revoke_slot(slot)  # before the checksum: nothing the peer writes from now on lands here
         h = msg.header
+        self._written[slot] = msg.payload_offset + h.total
         meta = view[msg.meta_offset:msg.meta_offset + h.meta_len]
         payload = view[msg.payload_offset:msg.payload_offset + h.total]
         integrity = self.machine.integrity
@@ -165,14 +201,60 @@ class SlotReceiver:
         conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot))
 
     def release(self, slot: int) -> None:
-        self.machine.release(slot)
+        self.machine.release(slot, time.monotonic())
         if not self.machine.verify_crc:
-            # without a checksum nothing proves the next transfer writes every byte it announces:
-            # clear the slot, so that bytes not written by that sender in that transfer read as zeros
-            zero_fill(self.conn.mem.slot_view(slot))
+            # without a checksum nothing proves the next transfer writes every byte it announces: clear what this
+            # one announced, so that such bytes read as zeros (the rest is zeros still: fresh pages, or cleared)
+            zero_fill(self.conn.mem.slot_view(slot)[:self._written.pop(slot, 0)])
         self._credit(slot)
 
     def _credit(self, slot: int) -> None:
         """Grant `slot` to the peer again, under a new rkey, and tell it."""
         rkey = self.conn.mem.grant_slot(slot)
-        self.conn.send_ctrl(P.Ctrl(CtrlKind.CREDIT, 0, slot, rkey))
+        self.conn.send_ctrl(self.pool.granted(slot, rkey, self.pool.capacity[slot]))
+
+    # -- the pool follows the traffic -------------------------------------------------------------
+    def on_grow(self, c: P.Ctrl) -> None:
+        """The peer's transfer `c.transfer_id` needs room in slot `c.value`: grant it within the memory
+        budget, or refuse the transfer (the old grant stands)."""
+        conn, slots, tid = self.conn, self.conn.mem.slots, c.transfer_id
+        try:
+            capacity = self.pool.room_for(c)  # every field checked before anything is allocated
+        except RemoteProtocolError as exc:
+            conn.refuse(tid, ErrorCode.PROTOCOL, str(exc))
+            return
+        slot = int(c.value)
+        budget, more = conn.endpoint.budget, self.offer.offset_in_slot(capacity) - slots.slot_bytes(slot)
+        if not budget.reserve(more):
+            conn.refuse(tid, ErrorCode.TOO_LARGE, f"payload of {c.aux} bytes: growing receive slot {slot} to {capacity} "
+                        f"bytes would exceed the receiver's memory budget ({budget.limit_bytes} bytes, "
+                        f"{budget.held_bytes} held)")
+            return
+        try:
+            rkey = slots.resize(slot, capacity)
+        except (ev.EasyVerbsError, OSError) as exc:  # registered as it was
+            budget.release(more)
+            conn.refuse(tid, ErrorCode.TOO_LARGE, f"receive slot {slot} could not grow to {capacity} bytes: {exc}")
+            return
+        conn._reserved += more
+        log.debug("%s: slot %d grew to %d bytes for transfer %d", conn.peer, slot, capacity, tid)
+        conn.send_ctrl(self.pool.grown(slot, rkey, capacity, time.monotonic()))
+
+    def on_return(self, c: P.Ctrl) -> None:
+        """The peer handed a slot back that we asked for: shrink it and grant it again."""
+        capacity = self.pool.on_return(c)  # every field checked; a RETURN we did not ask for ends the connection
+        slot, slots, conn = int(c.value), self.conn.mem.slots, self.conn
+        before = slots.slot_bytes(slot)
+        rkey = slots.resize(slot, capacity)
+        less = before - slots.slot_bytes(slot)
+        conn.endpoint.budget.release(less)
+        conn._reserved -= less
+        conn.send_ctrl(self.pool.granted(slot, rkey, capacity))
+
+    def tick(self, now: float) -> None:
+        reclaim = self.pool.idle(now)
+        if reclaim:
+            log.info("%s: receive pool idle for %g s: asking slot(s) %s back to shrink them", self.conn.peer,
+                     self.pool.idle_s, [int(c.value) for c in reclaim])
+        for c in reclaim:
+            self.conn.send_ctrl(c)

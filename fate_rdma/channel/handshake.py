@@ -10,7 +10,9 @@ Hello (version 1):
     fate_rdma  int   protocol version, 1
     name       str   the endpoint's name (its FATE party address), 1-256 characters
     qps        int   queue pairs it wants per connection, 1..MAX_QPS (the smaller offer wins)
-    pool       null or {"slots", "slot_payload_bytes", "meta_cap"}: its FedRDMA-E receive slots
+    pool       null or {"slots", "slot_payload_bytes", "meta_cap"}: its FedRDMA-E receive slots, at their
+               largest; each slot's MR (sent with the QPs) is as large as its grant now, and it grows
+               on the sender's GROW (protocol/pool.py)
     staging    null or {"count", "buf_bytes", "meta_cap"}: its FedRDMA staging buffers
     checksum   "crc32c", "blake2b" or "none": what it requires of every transfer it receives, which is
                also what it sends with (one setting per endpoint). Absent (an endpoint that predates
@@ -63,7 +65,8 @@ def _section(obj: Mapping[str, Any], key: str, where: str) -> Optional[Mapping[s
 
 @dataclasses.dataclass(frozen=True)
 class PoolOffer:
-    """The peer's FedRDMA-E receive pool: `slots` slots of [HEADER][meta_cap][slot_payload_bytes]."""
+    """The peer's FedRDMA-E receive pool: `slots` slots of [HEADER][meta_cap][payload], the payload
+    room of each growing to at most `slot_payload_bytes`."""
 
     slots: int
     slot_payload_bytes: int

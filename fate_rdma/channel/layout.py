@@ -1,7 +1,8 @@
 """The registered memory of one connection, and where each thing sits in it.
 
     pool      FedRDMA-E receive slots (remote write), each [HEADER][metadata cap][payload], each its
-              own MR: revoked when its transfer arrives, registered anew (new rkey) when released
+              own MR: revoked when its transfer arrives, registered anew (new rkey) when released;
+              each grows and shrinks with the traffic (slots.py)
     staging   FedRDMA staging buffers (remote write), each [HEADER][metadata cap][chunk]
     recv      the receive ring: small buffers for control SENDs (and the WRITE_WITH_IMM notices)
     ctrl      outgoing control frames, one buffer per SEND in flight
@@ -19,8 +20,8 @@ import numpy as np
 import easypyverbs as ev
 
 from ..protocol.frames import CTRL, HEADER, MAX_META
-from .buffers import zero_fill
 from .handshake import PoolOffer, StagingOffer
+from .slots import SlotMemory
 
 #: a control frame (CTRL + reason) fits with room to spare
 CTRL_BUF = CTRL.size + 1024 + 64
@@ -36,21 +37,20 @@ class LocalMemory:
     """Registers what this side of a connection needs, and hands out views and SGEs into it."""
 
     def __init__(self, pd: ev.PD, nqps: int, max_window: int, pool: Optional[PoolOffer],
-                 staging: Optional[StagingOffer]) -> None:
+                 staging: Optional[StagingOffer], slot_initial_bytes: Optional[int] = None) -> None:
+        """`pool`: the slots at their largest; each starts with room for `slot_initial_bytes` (None: the
+        largest)."""
         self.mrs: List[ev.MR] = []
         self.remote_mrs: Dict[str, ev.MR] = {}
         self.pool, self.staging = pool, staging
+        self.slots: Optional[SlotMemory] = None
         rw = ev.Access.all_rdma()
         try:
-            self.pool_bytes = pool.slots * pool.slot_bytes if pool is not None else 0
-            self._pd = pd
-            self.slot_mrs: List[Optional[ev.MR]] = []
-            if pool is not None:
-                self.pool_buf = np.empty(max(self.pool_bytes, 1), dtype=np.uint8)
-                zero_fill(self.pool_buf)  # now, as pinning by ibv_reg_mr would, not during a transfer
-                for i in range(pool.slots):  # one MR per slot: a grant the peer loses while the slot is held
-                    self.slot_mrs.append(self._slot_mr(i))
-                    self.remote_mrs[f"slot{i}"] = self.slot_mrs[i]  # type: ignore[assignment]
+            if pool is not None:  # one MR per slot: a grant the peer loses while the slot is held
+                initial = pool.slot_payload_bytes if slot_initial_bytes is None else slot_initial_bytes
+                self.slots = SlotMemory(pd, pool, initial, pin=getattr(pd.ctx, "provider", "") != "soft")
+                for i, mr in enumerate(self.slots.mrs):
+                    self.remote_mrs[f"slot{i}"] = mr  # type: ignore[assignment]
             if staging is not None:
                 self.staging_buf, self.remote_mrs["staging"] = self._register(pd, staging.count * staging.buf_bytes, rw)
             self.nqps = nqps
@@ -65,22 +65,18 @@ class LocalMemory:
         self.ctrl_free = list(range(CTRL_SENDS - 1, -1, -1))
 
     # -- FedRDMA-E grants: the peer may write a slot only while it holds that slot's current rkey -------
-    def _slot_mr(self, slot: int) -> ev.MR:
-        assert self.pool is not None
-        base = self.pool.slot_base(slot)
-        return self._pd.reg_mr(self.pool_buf[base:base + self.pool.slot_bytes], ev.Access.all_rdma())
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of receive slots registered now."""
+        return self.slots.reserved_bytes if self.slots is not None else 0
 
     def revoke_slot(self, slot: int) -> None:
         """The slot's transfer arrived: from now on the peer's WRITEs to it fail (remote access error)."""
-        mr, self.slot_mrs[slot] = self.slot_mrs[slot], None
-        if mr is not None:
-            mr.close()
+        self.slots.revoke(slot)  # type: ignore[union-attr]
 
     def grant_slot(self, slot: int) -> int:
         """Give the slot back to the peer under a new rkey (returned, for its CREDIT)."""
-        self.revoke_slot(slot)
-        mr = self.slot_mrs[slot] = self._slot_mr(slot)
-        return mr.remote().rkey
+        return self.slots.grant(slot)  # type: ignore[union-attr]
 
     def _register(self, pd: ev.PD, nbytes: int, access: ev.Access) -> Tuple[np.ndarray, ev.MR]:
         buf = np.empty(max(nbytes, 1), dtype=np.uint8)  # untouched pages cost no memory until written
@@ -113,9 +109,8 @@ class LocalMemory:
 
     # -- receive areas --------------------------------------------------------------------------
     def slot_view(self, slot: int) -> memoryview:
-        assert self.pool is not None
-        base = self.pool.slot_base(slot)
-        return memoryview(self.pool_buf)[base:base + self.pool.slot_bytes]
+        """The slot's current extent."""
+        return self.slots.view(slot)  # type: ignore[union-attr]
 
     def staging_view(self, index: int) -> memoryview:
         assert self.staging is not None
@@ -123,6 +118,8 @@ class LocalMemory:
         return memoryview(self.staging_buf)[base:base + self.staging.buf_bytes]
 
     def close(self) -> None:
-        for mr in self.mrs + [m for m in getattr(self, "slot_mrs", []) if m is not None]:
+        for mr in self.mrs:
             mr.close()
-        self.mrs, self.slot_mrs = [], []
+        self.mrs = []
+        if getattr(self, "slots", None) is not None:
+            self.slots.close()  # type: ignore[union-attr]

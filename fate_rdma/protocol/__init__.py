@@ -5,13 +5,15 @@ machines take bytes, completions and clock readings, and answer with the work to
 """
 from .chunking import Chunk, plan_chunks
 from .fedrdma import FedRdmaReceiver, FedRdmaSender
-from .fedrdma_e import FedRdmaEReceiver, FedRdmaESender, SlotRing
+from .fedrdma_e import FedRdmaEReceiver, FedRdmaESender
 from .frames import (CTRL, HEADER, Ctrl, CtrlKind, Header, HeaderKind, decode_ctrl, decode_header,
                      encode_ctrl, encode_header)
 from .integrity import Integrity
+from .pool import GrantState, ReceivePool, SlotRing, SlotState
 
 __all__ = [
     "CTRL", "Chunk", "Ctrl", "CtrlKind", "FedRdmaEReceiver", "FedRdmaESender", "FedRdmaReceiver",
-    "FedRdmaSender", "HEADER", "Header", "HeaderKind", "Integrity", "SlotRing", "decode_ctrl", "decode_header",
+    "FedRdmaSender", "GrantState", "HEADER", "Header", "HeaderKind", "Integrity", "ReceivePool", "SlotRing",
+    "SlotState", "decode_ctrl", "decode_header",
     "encode_ctrl", "encode_header", "plan_chunks",
 ]

@@ -6,7 +6,7 @@ integrity.py).
 
 Sender states (transitions in `FedRdmaSender.TRANSITIONS`; anything else is a LocalProtocolError):
     SENDING --all ACKed--> DONE;  SENDING --cancel--> CANCELLED;  SENDING --fail--> FAILED
-(FedRDMA-E adds PLACED: see fedrdma_e.py.)
+(FedRDMA-E adds GROWING and PLACED: see fedrdma_e.py.)
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .integrity import Integrity
 
 
 class SendState(enum.Enum):
+    GROWING = "growing"  # FedRDMA-E: the peer's slot is too small; waiting for it to grow (GROW sent)
     SENDING = "sending"
     PLACED = "placed"  # FedRDMA-E: every WRITE completed; waiting for the receiver's verdict (DONE)
     DONE = "done"
@@ -31,6 +32,7 @@ class SendState(enum.Enum):
 
 
 class SendEvent(enum.Enum):
+    ROOM = "room"  # FedRDMA-E: the receiver granted the slot with room for the payload
     COMPLETE = "complete"  # FedRDMA: the last chunk was ACKed
     PLACED = "placed"  # FedRDMA-E: the last WRITE completed
     CONFIRM = "confirm"  # FedRDMA-E: the receiver's DONE (verified and delivered)
@@ -96,7 +98,7 @@ class SenderBase:
     @property
     def finished(self) -> bool:
         """No more chunks to post or complete (DONE, PLACED, CANCELLED or FAILED)."""
-        return self.state is not SendState.SENDING
+        return self.state not in (SendState.SENDING, SendState.GROWING)
 
     @property
     def settled(self) -> bool:
@@ -115,7 +117,7 @@ class SenderBase:
 
     def tick(self, now: float) -> None:
         """Check the deadlines; a passed deadline fails the transfer (and is raised)."""
-        if self.state is SendState.SENDING:
+        if self.state in (SendState.SENDING, SendState.GROWING):
             try:
                 self._deadlines.check(now, self.transfer_id)
             except TransferTimeout as exc:

@@ -14,7 +14,11 @@ BLAKE2b MAC: integrity.py), deadlines, cancellation, and a refusal of transfer i
 replayed slot write). With several QPs, placement order across QPs is not guaranteed, so the header chunk
 waits until every other chunk has completed (RC completion = placed at the responder).
 
+Slots follow the traffic (pool.py): a payload larger than the slot's current grant starts in
+GROWING, and the GROW it sends is answered by a CREDIT with room (SENDING) or refused (FAILED).
+
 Sender states (`FedRdmaESender.TRANSITIONS`; anything else is a LocalProtocolError):
+    GROWING --the receiver granted room--> SENDING;  GROWING --cancel / fail / deadline--> CANCELLED / FAILED
     SENDING --last WRITE completed--> PLACED --receiver's DONE--> DONE
     SENDING --DONE (overtook the last WRITE's completion; noted)--> SENDING, then --placed--> DONE
     SENDING or PLACED --cancel--> CANCELLED;  SENDING or PLACED --fail / deadline--> FAILED
@@ -32,6 +36,7 @@ from .chunking import Chunk, plan_chunks
 from .fedrdma import TERMINAL, SendEvent, SenderBase, SendState
 from .frames import HEADER, MAX_META, Header, HeaderKind, decode_header
 from .integrity import Integrity
+from .pool import GrantState, ReceivePool
 
 
 def slot_payload_offset(meta_cap: int) -> int:
@@ -46,41 +51,13 @@ def split_imm(imm: int) -> tuple:
     return imm >> 16, imm & 0xFFFF
 
 
-class SlotRing:
-    """The sender's view of the peer's receive slots: a pointer that advances and wraps, and credits."""
-
-    def __init__(self, nslots: int) -> None:
-        if nslots < 1:
-            raise LocalProtocolError("the peer advertised no receive slots")
-        self.nslots = nslots
-        self._free = [True] * nslots
-        self._next = 0
-
-    def acquire(self) -> Optional[int]:
-        """The next slot if it is free (credit available), else None: wait for a CREDIT."""
-        s = self._next
-        if not self._free[s]:
-            return None
-        self._free[s] = False
-        self._next = (s + 1) % self.nslots
-        return s
-
-    def credit(self, slot: int) -> None:
-        if not 0 <= slot < self.nslots:
-            raise RemoteProtocolError(f"credit for slot {slot}, the peer has {self.nslots}")
-        if self._free[slot]:
-            raise RemoteProtocolError(f"credit for slot {slot}, which is not in use")
-        self._free[slot] = True
-
-    def give_back(self, slot: int) -> None:
-        """A transfer that never reached the peer (cancelled before its header): the slot is ours again."""
-        self._free[slot] = True
-
-
 class FedRdmaESender(SenderBase):
     """Back-to-front WRITEs into one slot of the peer, header chunk last; DONE on the receiver's verdict."""
 
     TRANSITIONS = {
+        (SendState.GROWING, SendEvent.ROOM): SendState.SENDING,
+        (SendState.GROWING, SendEvent.CANCEL): SendState.CANCELLED,
+        (SendState.GROWING, SendEvent.FAIL): SendState.FAILED,
         (SendState.SENDING, SendEvent.PLACED): SendState.PLACED,
         (SendState.SENDING, SendEvent.CONFIRM): SendState.SENDING,  # DONE overtook the last completion
         (SendState.PLACED, SendEvent.CONFIRM): SendState.DONE,
@@ -92,7 +69,9 @@ class FedRdmaESender(SenderBase):
 
     def __init__(self, transfer_id: int, seq16: int, slot: int, total: int, chunk_bytes: int, window: int,
                  now: float, slot_payload_bytes: int, first_chunk_bytes: int = 0, header_after_all: bool = False,
-                 no_progress_s: float = 30.0, total_s: float = 3600.0) -> None:
+                 no_progress_s: float = 30.0, total_s: float = 3600.0, room_bytes: Optional[int] = None) -> None:
+        """`slot_payload_bytes`: the most the peer's slot takes; `room_bytes`: what its grant holds now
+        (None: as much). A larger payload starts GROWING: send `ring.grow(...)`, then `on_room`."""
         if total > slot_payload_bytes:
             raise PayloadTooLarge(f"payload of {total} bytes exceeds the peer's FedRDMA-E receive slot of "
                                   f"{slot_payload_bytes} bytes", transfer_id)
@@ -106,6 +85,16 @@ class FedRdmaESender(SenderBase):
         self.hold_header = False
         self._confirmed = False  # the receiver's DONE arrived before our last WRITE completed
         self._placed_at: Optional[float] = None
+        if room_bytes is not None and self.total > room_bytes:
+            self.state = SendState.GROWING
+
+    def on_room(self, capacity: int, now: float) -> None:
+        """The receiver granted the slot with room for `capacity` payload bytes."""
+        if capacity < self.total:
+            raise RemoteProtocolError(f"transfer {self.transfer_id}: the slot grew to {capacity} bytes, "
+                                      f"the payload has {self.total}")
+        self._move(SendEvent.ROOM)
+        self._deadlines.progress(now)
 
     def next_chunks(self) -> List[Chunk]:
         out = []
@@ -148,6 +137,11 @@ class FedRdmaESender(SenderBase):
         return True
 
     def tick(self, now: float) -> None:
+        if self.state is SendState.GROWING and now - self._deadlines.last_progress > self._deadlines.no_progress_s:
+            exc = TransferTimeout(f"transfer {self.transfer_id}: the receiver did not answer its GROW (room for "
+                                  f"{self.total} bytes) within {self._deadlines.no_progress_s:g} s", self.transfer_id)
+            self.fail(exc)
+            raise exc
         if self.state is SendState.PLACED and self._placed_at is not None \
                 and now - self._placed_at > self._deadlines.no_progress_s:
             exc = TransferTimeout(f"transfer {self.transfer_id}: placed, but the receiver did not confirm it within "
@@ -181,16 +175,19 @@ REPLAY_WINDOW = 4096
 
 
 class FedRdmaEReceiver:
-    """Validates WRITE_WITH_IMM arrivals against the slot pool and tracks which slots are held.
-    `integrity`: the checksum this receiver requires (default crc32c, or none when `verify_crc` is false)."""
+    """Validates WRITE_WITH_IMM arrivals against the slot pool (`pool`: each slot's grant and state).
+    `integrity`: the checksum this receiver requires (default crc32c, or none when `verify_crc` is false);
+    `slot_payload_bytes`: the most a slot grows to; `initial_payload_bytes` (default: that much), `idle_s`,
+    `now`, `rkeys`: as ReceivePool takes them."""
 
     def __init__(self, nslots: int, slot_payload_bytes: int, meta_cap: int = MAX_META, verify_crc: bool = True,
-                 integrity: Optional[Integrity] = None) -> None:
+                 integrity: Optional[Integrity] = None, initial_payload_bytes: Optional[int] = None,
+                 idle_s: float = 0.0, now: float = 0.0, rkeys: Optional[List[int]] = None) -> None:
         if meta_cap > MAX_META:
             raise LocalProtocolError(f"meta_cap {meta_cap} exceeds {MAX_META}")
         self.nslots, self.slot_payload_bytes, self.meta_cap = nslots, slot_payload_bytes, meta_cap
         self.integrity = integrity or Integrity("crc32c" if verify_crc else "none")
-        self._held: Set[int] = set()
+        self.pool = ReceivePool(nslots, slot_payload_bytes, initial_payload_bytes, idle_s, now, rkeys)
         self._seen: Set[int] = set()
         self._seen_order: Deque[int] = collections.deque()
         self._forgotten = -1  # the largest id that left the window
@@ -211,25 +208,27 @@ class FedRdmaEReceiver:
 
     @property
     def slot_bytes(self) -> int:
+        """A slot's bytes at its largest."""
         return slot_payload_offset(self.meta_cap) + self.slot_payload_bytes
 
-    def on_write_imm(self, imm: int, slot_header: memoryview) -> SlotMessage:
+    def on_write_imm(self, imm: int, slot_header: memoryview, now: float = 0.0) -> SlotMessage:
         """The header WRITE_WITH_IMM completed: the whole transfer is in the slot."""
         slot, _ = split_imm(imm)
         if slot >= self.nslots:
             raise RemoteProtocolError(f"WRITE_WITH_IMM names slot {slot}; this side has {self.nslots}")
-        if slot in self._held:
+        if self.pool.state[slot] is GrantState.HELD:
             raise RemoteProtocolError(f"peer wrote slot {slot} while it was still held by the consumer")
         hdr = decode_header(bytes(slot_header[:HEADER.size]))
         if hdr.kind is not HeaderKind.SLOT:
             raise RemoteProtocolError(f"slot {slot}: expected a SLOT header, got {hdr.kind.name}")
         # integrity is the receiver's decision, not the sender's
         self.integrity.require(hdr, f"slot {slot}: transfer {hdr.transfer_id}")
-        if hdr.total > self.slot_payload_bytes or hdr.meta_len > self.meta_cap:
+        room = self.pool.capacity[slot]  # as granted: the sender wrote within this, or the NIC refused it
+        if hdr.total > room or hdr.meta_len > self.meta_cap:
             raise RemoteProtocolError(f"slot {slot}: header claims {hdr.total} payload / {hdr.meta_len} metadata "
-                                      f"bytes; the slot holds {self.slot_payload_bytes} / {self.meta_cap}")
+                                      f"bytes; the slot holds {room} / {self.meta_cap}")
         self._replay_check(hdr.transfer_id, slot)
-        self._held.add(slot)
+        self.pool.arrive(slot, now)
         return SlotMessage(slot, hdr, HEADER.size, slot_payload_offset(self.meta_cap))
 
     def verify(self, msg: SlotMessage, meta_crc: int, payload_crc: int) -> None:
@@ -248,15 +247,13 @@ class FedRdmaEReceiver:
 
     def _mismatch(self, msg: SlotMessage) -> None:
         h = msg.header
-        self._held.discard(msg.slot)
+        self.pool.release(msg.slot, self.pool.last_active)  # never delivered: granted again as it is
         raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): {self.integrity.kind} mismatch "
                              f"(payload, metadata or header fields)", h.transfer_id)
 
-    def release(self, slot: int) -> None:
-        if slot not in self._held:
-            raise LocalProtocolError(f"slot {slot} released twice or never held")
-        self._held.discard(slot)
+    def release(self, slot: int, now: float = 0.0) -> None:
+        self.pool.release(slot, now)
 
     @property
     def held(self) -> Set[int]:
-        return set(self._held)
+        return set(self.pool.held)

@@ -41,10 +41,15 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
     kind         u8   CtrlKind
     flags        u16  0
     reason_len   u16  bytes of reason text after the frame
-    transfer_id  u64
-    value        u64  ACK: chunk seq; CREDIT: slot; ERROR: ErrorCode; PROBE/PROBE_REPLY: nonce
+    transfer_id  u64  the transfer concerned (ACK, CANCEL, ERROR, DONE, GROW); CREDIT: the slot's
+                      payload capacity in bytes under this grant; else 0
+    value        u64  ACK: chunk seq; CREDIT, GROW, RECLAIM, RETURN: slot; ERROR: ErrorCode;
+                      PROBE/PROBE_REPLY: nonce
     aux          u64  ACK: the staging buffer the chunk used (its credit goes back); CREDIT: the rkey
-                      under which the slot is granted again; else 0
+                      under which the slot is granted again; GROW: payload bytes the transfer needs;
+                      RECLAIM, RETURN: the rkey of the grant asked back / handed back; else 0
+
+GROW, RECLAIM and RETURN resize FedRDMA-E receive slots; who sends which, and when, is in pool.py.
 """
 from __future__ import annotations
 
@@ -78,12 +83,15 @@ class HeaderKind(enum.IntEnum):
 
 class CtrlKind(enum.IntEnum):
     ACK = 1  # FedRDMA: chunk `value` of `transfer_id` is placed
-    CREDIT = 2  # FedRDMA-E: receive slot `value` is free again, writable under rkey `aux`
+    CREDIT = 2  # FedRDMA-E: slot `value` is free again: rkey `aux`, room for `transfer_id` payload bytes
     CANCEL = 3  # either side: abandon `transfer_id`
     ERROR = 4  # receiver -> sender: `transfer_id` failed with code `value` (ErrorCode), reason follows
     PROBE = 5  # RTT probe, echoed as PROBE_REPLY with the same nonce in `value`
     PROBE_REPLY = 6
     DONE = 7  # receiver -> sender (FedRDMA-E): `transfer_id` arrived, verified, delivered
+    GROW = 8  # sender -> receiver (FedRDMA-E): make slot `value` hold `aux` payload bytes for `transfer_id`
+    RECLAIM = 9  # receiver -> sender (FedRDMA-E): hand slot `value` (granted under rkey `aux`) back, to shrink it
+    RETURN = 10  # sender -> receiver (FedRDMA-E): slot `value` (rkey `aux`) is not written until its next CREDIT
 
 
 class ErrorCode(enum.IntEnum):

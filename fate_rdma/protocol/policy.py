@@ -1,6 +1,6 @@
 """Decisions the protocol makes before and during a transfer, kept here so in-memory tests reach them:
 which mode carries a payload, how many chunks may be in flight, how small the Link-Enable chunk is,
-and the sender's credit for the peer's FedRDMA staging buffers.
+how far a FedRDMA-E slot grows, and the sender's credit for the peer's FedRDMA staging buffers.
 """
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ def choose_mode(configured: str, total: int, peer_slot_payload_bytes: Optional[i
         raise ConfigError(f"{peer} offers no FedRDMA staging buffers (its mode is fedrdma-e, this side's fedrdma): "
                           "configure both sides with the same mode, or the receiver with too_large: fedrdma")
     return mode
+
+
+#: a FedRDMA-E slot grows to the payload that needs it rounded up to this (at most the slot's maximum): a
+#: payload a few bytes larger than the last (a pickle of the same model) reuses the grant instead of
+#: asking again; costs at most this much more memory per slot
+GROW_GRANULE_BYTES = 1 << 20
+
+
+def slot_room(wanted: int, max_payload_bytes: int) -> int:
+    """The capacity a slot grows to for a `wanted`-byte payload."""
+    return min(max_payload_bytes, -(-wanted // GROW_GRANULE_BYTES) * GROW_GRANULE_BYTES)
 
 
 def auto_window(rate_bps: float, rtt_s: float, chunk_bytes: int, min_window: int, max_window: int) -> int:

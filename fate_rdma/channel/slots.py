@@ -1,0 +1,214 @@
+"""The memory behind one connection's FedRDMA-E receive slots, which grows and shrinks with the traffic
+(the protocol's side: protocol/pool.py), and reports of what the pools hold.
+
+Each slot's whole range (its largest size, the offer's slot_bytes) is reserved at connect as an
+anonymous private mapping without swap reservation (MAP_NORESERVE): address space only, no memory.
+Only the slot's current extent (header, metadata area, `capacity` payload bytes) is registered as its
+MR: on a NIC that pins what is registered (pyverbs), that extent is what the slot holds; on the soft
+provider, only the pages a transfer wrote are resident. Growing registers a longer extent at the same
+address (so a grant is an rkey and a capacity, never an address); shrinking deregisters, gives the
+pages past the smaller extent back (MADV_DONTNEED: they read as zeros if ever touched again) and
+registers the smaller extent. Fresh pages are zeros, so a grown slot never shows stale bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import sys
+from typing import Any, Dict, Iterable, List, Optional
+
+import numpy as np
+
+import easypyverbs as ev
+
+from .buffers import zero_fill
+from .handshake import PoolOffer
+
+PAGE = mmap.PAGESIZE
+#: Linux's value: Python's mmap module does not name it
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def _pages(n: int) -> int:
+    """`n` rounded up to whole pages."""
+    return -(-n // PAGE) * PAGE
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def resident_bytes(arr: np.ndarray) -> Optional[int]:
+    """Bytes of `arr` (page-aligned) in memory now, by mincore(2); None where that cannot be asked."""
+    n = arr.nbytes
+    if not n:
+        return 0
+    try:
+        libc = _libc()
+        vec = np.zeros(_pages(n) // PAGE, dtype=np.uint8)
+        if libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(n),
+                        vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(np.count_nonzero(vec & 1)) * PAGE
+
+
+class SlotMemory:
+    """One connection's receive slots: each its own mapping and MR. `pin`: registration pins memory
+    (a real NIC): fault a new extent in before registering it, without holding the GIL (zero_fill),
+    so that other connections' threads keep running while a large slot grows."""
+
+    def __init__(self, pd: ev.PD, offer: PoolOffer, initial_payload_bytes: int, pin: bool) -> None:
+        self._pd, self.offer, self.pin = pd, offer, pin
+        self.initial_payload_bytes = min(initial_payload_bytes, offer.slot_payload_bytes)
+        self._maps: List[mmap.mmap] = []
+        self._arrs: List[np.ndarray] = []
+        self.capacity: List[int] = []
+        self.mrs: List[Optional[ev.MR]] = []
+        try:
+            for _ in range(offer.slots):
+                mm = mmap.mmap(-1, _pages(offer.slot_bytes), flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self._maps.append(mm)
+                self._arrs.append(np.frombuffer(mm, dtype=np.uint8))
+                self.capacity.append(self.initial_payload_bytes)
+                self.mrs.append(None)
+                self.mrs[-1] = self._register(len(self.mrs) - 1, 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def slot_bytes(self, slot: int) -> int:
+        """The slot's current extent: header, metadata area and payload room."""
+        return self.offer.offset_in_slot(self.capacity[slot])
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the slots hold registered now (and reserve of the endpoint's memory budget)."""
+        return sum(self.offer.offset_in_slot(c) for c in self.capacity)
+
+    def resident_bytes(self) -> Optional[int]:
+        """What the slots hold in memory now (soft provider: the pages written since they last shrank)."""
+        total = 0
+        for arr, cap in zip(self._arrs, self.capacity):  # (lists a concurrent close replaces, never changes)
+            r = resident_bytes(arr[:_pages(self.offer.offset_in_slot(cap))])
+            if r is None:
+                return None
+            total += r
+        return total
+
+    def view(self, slot: int) -> memoryview:
+        return memoryview(self._arrs[slot])[:self.slot_bytes(slot)]
+
+    def _register(self, slot: int, faulted_bytes: int) -> ev.MR:
+        n = self.slot_bytes(slot)
+        if self.pin and n > faulted_bytes:
+            zero_fill(self._arrs[slot][faulted_bytes:n])  # fresh pages are zeros already: this only faults them in
+        return self._pd.reg_mr(self._arrs[slot][:n], ev.Access.all_rdma())
+
+    def revoke(self, slot: int) -> None:
+        """Deregister the slot: from now on the peer's WRITEs to it fail (remote access error)."""
+        mr, self.mrs[slot] = self.mrs[slot], None
+        if mr is not None:
+            mr.close()
+
+    def grant(self, slot: int) -> int:
+        """Register the slot anew as it is; returns the new rkey."""
+        return self.resize(slot, self.capacity[slot])
+
+    def resize(self, slot: int, capacity: int) -> int:
+        """Register the slot anew with room for `capacity` payload bytes; returns the new rkey. If the
+        new registration fails, the slot is registered as it was and the error raised."""
+        old_cap, old_bytes = self.capacity[slot], self.slot_bytes(slot)
+        self.revoke(slot)
+        self.capacity[slot] = capacity
+        new_bytes = self.slot_bytes(slot)
+        if new_bytes < old_bytes:
+            self._discard(slot, new_bytes, old_bytes)
+        try:
+            mr = self._register(slot, old_bytes)
+        except BaseException:
+            self.capacity[slot] = old_cap
+            self.mrs[slot] = self._register(slot, old_bytes)
+            raise
+        self.mrs[slot] = mr
+        return mr.rkey
+
+    def _discard(self, slot: int, lo: int, hi: int) -> None:
+        """Give the pages of [lo, hi) back to the system (whole pages only)."""
+        start, end = _pages(lo), min(_pages(hi), len(self._maps[slot]))
+        if end > start:
+            self._maps[slot].madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        for i in range(len(self.mrs)):
+            self.revoke(i)
+        self.mrs, self.capacity = [], []
+        arrs, maps = self._arrs, self._maps
+        self._arrs, self._maps = [], []
+        del arrs
+        for mm in maps:
+            try:
+                mm.close()  # now, unless a message the application still holds views the slot
+            except BufferError:
+                pass  # unmapped when the last view goes
+
+
+def pool_policy(cfg: Any) -> Dict[str, Any]:
+    """What a ChannelConfig lets FedRDMA-E receive pools hold, per peer and in all (for `doctor`)."""
+    from ..protocol.frames import HEADER, MAX_META
+
+    area = HEADER.size + MAX_META
+    initial = min(cfg.slot_initial_bytes, cfg.slot_bytes)
+    return {"mode": cfg.mode, "pool_slots": cfg.pool_slots, "slot_bytes": cfg.slot_bytes,
+            "slot_initial_bytes": initial, "pool_idle_s": cfg.pool_idle_s,
+            "idle_bytes_per_peer": cfg.pool_slots * (area + initial) if cfg.mode == "fedrdma-e" else 0,
+            "max_bytes_per_peer": cfg.pool_slots * (area + cfg.slot_bytes) if cfg.mode == "fedrdma-e" else 0,
+            "memory_budget_bytes": cfg.budget_bytes}
+
+
+def pool_report(conns: Iterable[Any], budget: Any) -> Dict[str, Any]:
+    """What the FedRDMA-E receive pools of these connections hold now: per peer and in all, registered
+    (reserved from the memory budget) and resident bytes, and each slot's room and state."""
+    peers: Dict[str, Any] = {}
+    for c in conns:
+        mem = getattr(c, "mem", None)
+        slots: Optional[SlotMemory] = getattr(mem, "slots", None)
+        rx = getattr(c, "slot_receiver", None)
+        if slots is None or rx is None:
+            continue
+        pool = rx.machine.pool
+        peers[c.peer] = {"reserved_bytes": slots.reserved_bytes, "resident_bytes": slots.resident_bytes(),
+                         "slots": [{"payload_bytes": pool.capacity[i], "state": pool.state[i].value}
+                                   for i in range(pool.nslots)]}
+    resident = [p["resident_bytes"] for p in peers.values()]
+    return {"reserved_bytes": sum(p["reserved_bytes"] for p in peers.values()),
+            "resident_bytes": None if None in resident else sum(resident),
+            "budget_held_bytes": budget.held_bytes, "budget_limit_bytes": budget.limit_bytes, "peers": peers}
+
+
+def describe(policy: Dict[str, Any], live: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Lines for `doctor`: the pool policy, and (for a running endpoint) what the pools hold."""
+    mib = 1 << 20
+    if policy["mode"] != "fedrdma-e":
+        lines = [f"receive memory: mode {policy['mode']} (staging and reassembly buffers), "
+                 f"budget {policy['memory_budget_bytes'] / mib:.0f} MiB"]
+    else:
+        idle = f"after {policy['pool_idle_s']:g} s idle" if policy["pool_idle_s"] else "never (pool_idle_s: 0)"
+        lines = [f"FedRDMA-E receive pool per peer: {policy['pool_slots']} slots; "
+                 f"{policy['idle_bytes_per_peer'] / mib:.1f} MiB at connect and when idle, up to "
+                 f"{policy['max_bytes_per_peer'] / mib:.1f} MiB under load (slot_bytes "
+                 f"{policy['slot_bytes'] / mib:.1f} MiB); shrinks {idle}; all peers together within the "
+                 f"memory budget of {policy['memory_budget_bytes'] / mib:.0f} MiB"]
+    if live is not None:
+        res = live["resident_bytes"]
+        lines.append(f"pools now: {live['reserved_bytes'] / mib:.1f} MiB registered, "
+                     f"{'?' if res is None else f'{res / mib:.1f}'} MiB resident, for {len(live['peers'])} peer(s); "
+                     f"budget {live['budget_held_bytes'] / mib:.1f} of {live['budget_limit_bytes'] / mib:.0f} MiB held")
+        for name, p in sorted(live["peers"].items()):
+            rooms = ", ".join(f"{s['payload_bytes'] / mib:.1f} MiB {s['state']}" for s in p["slots"])
+            lines.append(f"  {name}: {rooms}")
+    return lines

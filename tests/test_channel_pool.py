@@ -1,0 +1,167 @@
+"""FedRDMA-E receive slots that follow the traffic, across two processes on each provider (as
+test_channel.py runs them): a payload far larger than the initial slot grows it and arrives intact, an
+idle pool shrinks (pool_bytes, the budget and the receiver's RSS drop) and grows again, growth beyond
+the memory budget is refused before anything is allocated, forged GROW and RETURN frames are refused
+naming the field, and the endpoint reports what its pools hold."""
+from __future__ import annotations
+
+import os
+
+import crc32c
+import numpy as np
+import pytest
+
+from fate_rdma import errors as E
+from fate_rdma.channel import Endpoint
+from fate_rdma.config import ChannelConfig
+
+from .test_channel import PROVIDERS, Peer, cfg_for, wait_for
+from .verbs_pair import require
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request):
+    require(request.param)  # pyverbs: skipped, with the reason, where no RDMA device is usable
+    return request.param
+
+#: a slot's extent beyond its payload room: header and metadata area
+SLOT_AREA = 64 + 65536
+
+
+def grow_cfg(provider: str, **kw) -> ChannelConfig:
+    return cfg_for("fedrdma-e", provider, **dict(dict(slot_initial_bytes=4096, slot_bytes=32 << 20, chunk_bytes=1 << 20,
+                                                     window=8), **kw))
+
+
+def stats(peer: Peer) -> dict:
+    return peer.proc.cmd({"cmd": "stats"})
+
+
+def connect(ep: Endpoint, peer: Peer) -> None:
+    """Connected, on both sides (the peer's endpoint lists the connection a moment after ours)."""
+    ep.connect(peer.address)
+    wait_for(lambda: stats(peer)["pool_bytes"] > 0, 10, "the peer's side of the connection")
+
+
+def test_payload_much_larger_than_the_initial_slot_grows_it(provider):
+    cfg = grow_cfg(provider)
+    peer = Peer(cfg)
+    try:
+        with Endpoint(cfg) as ep:
+            connect(ep, peer)
+            idle = stats(peer)
+            assert idle["pool_bytes"] == 2 * (SLOT_AREA + 4096) == idle["budget_held_bytes"]
+            data = np.random.default_rng(7).integers(0, 256, (24 << 20) + 5, dtype=np.uint8)  # 6000 x the slot
+            info = ep.send(peer.address, data, {"big": 1}).result(60)
+            (rec,) = peer.expect(timeout_s=60)
+            assert info["mode"] == "fedrdma-e" and rec["mode"] == "fedrdma-e"
+            assert rec["nbytes"] == data.nbytes and rec["crc32c"] == crc32c.crc32c(data)
+            grown = stats(peer)
+            assert grown["pool_bytes"] == SLOT_AREA + 4096 + SLOT_AREA + (25 << 20)  # one slot, rounded to 1 MiB
+            assert grown["budget_held_bytes"] == grown["pool_bytes"]
+            for i in range(3):  # small ones after it, in the grown slot and the other one
+                ep.send(peer.address, b"x" * 100, {"i": i}).result(30)
+            assert [r["metadata"]["i"] for r in peer.expect(3)[-3:]] == [0, 1, 2]
+    finally:
+        peer.close()
+
+
+def test_pool_shrinks_when_idle_and_grows_again(provider):
+    cfg = grow_cfg(provider, pool_idle_s=2.0)  # long enough to read the grown pool first, even in a TCG VM
+    peer = Peer(cfg)
+    try:
+        with Endpoint(cfg) as ep:
+            small = 2 * (SLOT_AREA + 4096)
+            for rnd in range(2):  # a transfer after a shrink grows the slot again and arrives intact
+                data = np.random.default_rng(rnd).integers(0, 256, 12 << 20, dtype=np.uint8)
+                ep.send(peer.address, data, {"round": rnd}).result(60)
+                rec = peer.expect(timeout_s=60)[-1]
+                assert rec["metadata"] == {"round": rnd} and rec["crc32c"] == crc32c.crc32c(data)
+                grown = stats(peer)
+                assert grown["pool_bytes"] > 12 << 20
+                # registered and reserved both drop (the budget a moment after the slot: released once freed)
+                wait_for(lambda: {stats(peer)[k] for k in ("pool_bytes", "budget_held_bytes")} == {small}, 20,
+                         "the idle pool shrinking")
+                shrunk = stats(peer)
+                print(f"\nreceiver RSS {grown['rss_bytes'] / 2**20:.1f} MiB grown, {shrunk['rss_bytes'] / 2**20:.1f} "
+                      f"MiB after {cfg.pool_idle_s} s idle")
+                assert shrunk["rss_bytes"] < grown["rss_bytes"] - (8 << 20)  # the pages went back
+            ring = ep.connect(peer.address).slot_sender.ring
+            wait_for(lambda: ring.capacity == [4096, 4096], 10, "the sender learning of the shrink (CREDIT)")
+    finally:
+        peer.close()
+
+
+def test_growth_beyond_the_memory_budget_is_refused_before_allocating(provider):
+    cfg = grow_cfg(provider, slot_bytes=64 << 20, memory_budget_bytes=8 << 20)
+    peer = Peer(cfg)
+    try:
+        with Endpoint(cfg) as ep:
+            connect(ep, peer)
+            before = stats(peer)
+            with pytest.raises(E.PayloadTooLarge, match="growing receive slot 0 to 16777216 bytes would exceed the "
+                                                        "receiver's memory budget"):
+                ep.send(peer.address, bytes(16 << 20)).result(30)
+            after = stats(peer)
+            assert after["pool_bytes"] == before["pool_bytes"] and after["budget_held_bytes"] == before["budget_held_bytes"]
+            assert after["rss_bytes"] < before["rss_bytes"] + (4 << 20)  # nothing was allocated for it
+            data = os.urandom(3 << 20)  # within the budget: the same slot grows and takes it
+            ep.send(peer.address, data).result(30)
+            assert peer.expect()[-1]["crc32c"] == crc32c.crc32c(data)
+    finally:
+        peer.close()
+
+
+def test_forged_grow_and_return_are_refused_naming_the_field(provider, caplog):
+    """A peer's GROW with a field out of range is refused (ERROR to the sender, logged) before anything
+    is allocated, and the connection goes on; a RETURN nobody asked for ends the connection."""
+    import logging
+
+    from fate_rdma import protocol as P
+
+    cfg = grow_cfg(provider)
+    with Endpoint(cfg, name="victim") as victim, Endpoint(cfg, name="client") as client:
+        conn = client.connect(victim.address)
+        def send_and_check(data: bytes) -> bool:
+            client.send(victim.address, data).result(30)
+            ok = bytes(victim.recv(timeout=30).detach()) == data
+            wait_for(lambda: set(client.connect(victim.address).slot_sender.ring.state) == {P.SlotState.FREE}, 10,
+                     "the slot's CREDIT")  # released and granted again: a GROW would be refused while it is held
+            return ok
+
+        assert send_and_check(b"first")
+        held = victim.pool_bytes(), victim.budget.held_bytes
+        caplog.set_level(logging.WARNING, logger="fate_rdma.channel")
+        for forged, field in ((P.Ctrl(P.CtrlKind.GROW, 901, 0, 1 << 50), "field 'aux' (payload bytes) = 1125899906842624 "
+                                                                          "exceeds the slot's maximum"),
+                              (P.Ctrl(P.CtrlKind.GROW, 902, 7, 1 << 20), "field 'value' (slot) = 7"),
+                              (P.Ctrl(P.CtrlKind.GROW, 903, 1, 100), "field 'aux' (payload bytes) = 100, slot 1 has room")):
+            conn.send_ctrl(forged)
+            wait_for(lambda: field in caplog.text, 10, f"the refusal naming {field!r}")
+        assert (victim.pool_bytes(), victim.budget.held_bytes) == held  # nothing allocated, nothing changed
+        assert send_and_check(os.urandom(5 << 20))  # the connection goes on, and grows for real
+        caplog.set_level(logging.INFO, logger="fate_rdma.channel")  # a peer lost while idle is logged as info
+        conn.send_ctrl(P.Ctrl(P.CtrlKind.RETURN, 0, 0, 12345))
+        wait_for(lambda: "RETURN for slot 0 under rkey 12345 (field 'aux'), which this side did not ask back"
+                 in caplog.text, 10, "the victim ending the connection, naming the field")
+        wait_for(lambda: conn.dead is not None, 10, "the connection ending at the client")
+        assert send_and_check(b"after")  # a new connection
+
+
+def test_pool_report_says_what_the_pools_hold():
+    from fate_rdma.channel.slots import describe, pool_policy
+
+    cfg = grow_cfg("soft")
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        tx.send(rx.address, os.urandom(3 << 20)).result(30)
+        msg = rx.recv(timeout=30)
+        rep = rx.pool_report()
+        (peer,) = rep["peers"].values()
+        assert [s["state"] for s in peer["slots"]] == ["held", "granted"]
+        assert [s["payload_bytes"] for s in peer["slots"]] == [3 << 20, 4096]
+        assert rep["reserved_bytes"] == rx.pool_bytes() == 2 * SLOT_AREA + (3 << 20) + 4096 == rep["budget_held_bytes"]
+        assert 3 << 20 <= rep["resident_bytes"] <= rep["reserved_bytes"] + 4096  # written pages only (soft)
+        lines = describe(pool_policy(cfg), rep)
+        assert "up to 64.1 MiB under load" in lines[0] and "registered" in lines[1] and "3.0 MiB held" in lines[2]
+        msg.release()
