@@ -1,9 +1,11 @@
-"""Transfer bench: one payload moved by raw TCP, gRPC (client stream of 4 MiB chunks, and one unary
-message), fedrdma and fedrdma-e (window 1 = the paper's stop-and-wait, and the automatic window).
+"""Transfer bench: one payload moved by raw TCP, gRPC, Mooncake TE, fedrdma and fedrdma-e, with CPU per GB.
+
+gRPC: a client stream of 4 MiB chunks, and one unary message; fedrdma and fedrdma-e: window 1 (the
+paper's stop-and-wait) and the automatic window.
 
 Two processes on this machine; the receiver is a separate process. Scenarios: `loopback` (unshaped)
 and the soft provider's link model at 10 Gbit/s / 20 ms RTT and 1 Gbit/s / 20 ms RTT. The link
-model exists only inside the soft provider, so raw TCP and gRPC are measured on loopback only; the
+model exists only inside the soft provider, so raw TCP, gRPC and Mooncake are measured on loopback only; the
 link scenarios compare against the wire time (payload x 8 / rate). Every line names the provider
 and whether it is emulated. Seconds are medians, end to end: until the receiver holds the verified
 message. `extra_rss_bytes`: the receiver's peak RSS beyond what the method must hold: for fedrdma
@@ -13,6 +15,14 @@ TCP and gRPC, above the level before the transfer, less the payload where gRPC a
 With `--tls` every fedrdma/fedrdma-e row is measured again right after it with `tls: true` (mutual TLS
 1.3 on the bootstrap and on the soft provider's data connections; on the same-host path only request
 headers cross TLS, the payload is a local copy): the cost of TLS, beside the plain row of the same run.
+
+`mooncake`, `mooncake_batch`: Mooncake Transfer Engine's TCP transport (P2PHANDSHAKE, no etcd), one
+sync write and one batch of chunk-sized async writes, each side in its own process (mooncake.py);
+with the `mooncake` extra missing its rows say so and how to install it. `cpu_send_s_per_gb`,
+`cpu_recv_s_per_gb`: CPU seconds (user + system, every thread) of the sending and the receiving
+process over the measured transfer, per GB moved (medians): what the method costs the two hosts,
+which wall time on a shared machine hides (a method that busy-polls spends CPU while it waits).
+The raw TCP, gRPC and Mooncake rows run once, under the first loopback scenario asked for.
 """
 from __future__ import annotations
 
@@ -22,10 +32,13 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
+import crc32c
 import numpy as np
 
 from ..channel import Endpoint
 from ..config import ChannelConfig
+from . import mooncake
+from .cpu import cpu_s, per_gb
 from .driver import PeerProcess, RawTcp
 from .report import emit, human_bytes, median, table
 
@@ -36,6 +49,8 @@ SCENARIOS = {"loopback": None, "loopback-tcp": None, "link-10g-20ms": "rate=10gb
              "link-1g-20ms": "rate=1gbit,rtt=20ms"}
 RATES = {"link-10g-20ms": 10e9, "link-1g-20ms": 1e9}
 GRPC_CHUNK = 4 * MiB
+PAYLOAD_SEED = 0  # the Mooncake sender process regenerates the payload from it
+METHODS = ["raw_tcp", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch", "fedrdma", "fedrdma-e"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-mib", type=int, default=None, help="payload size in MiB (default 1024, quick 256)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 3, quick 2)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
-    p.add_argument("--methods", default="raw_tcp,grpc_stream,grpc_unary,fedrdma,fedrdma-e", help="comma list of methods")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma list of methods (default all; mooncake and mooncake_batch need the mooncake extra: "
+                        "pip install 'fate-rdma[mooncake]', and say so where it is missing)")
     p.add_argument("--windows", default="1,auto", help="windows to measure for fedrdma/fedrdma-e (default 1,auto)")
     p.add_argument("--checksum", default="crc32c", choices=["crc32c", "blake2b", "none"],
                    help="end-to-end checksum (default crc32c; blake2b: the keyed MAC, with a fresh secret for the two endpoints)")
@@ -60,28 +77,30 @@ def _grpc(peer: PeerProcess, payload: bytes, reps: int) -> Dict[str, List[float]
 
     port = peer.cmd({"cmd": "grpc"})["port"]
     ident = lambda b: b  # noqa: E731
-    out: Dict[str, List[float]] = {"grpc_stream": [], "grpc_unary": [], "rss_stream": [], "rss_unary": []}
+    out: Dict[str, List[float]] = {k + m: [] for k in ("", "rss_", "cpu_send_", "cpu_recv_")
+                                   for m in ("grpc_stream", "grpc_unary")}
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
         stream = ch.stream_unary("/bench.Bench/Stream", request_serializer=ident, response_deserializer=ident)
         unary = ch.unary_unary("/bench.Bench/Unary", request_serializer=ident, response_deserializer=ident)
         stream(iter([b"warm-up"]))
         unary(b"warm-up")
-        count = peer.cmd({"cmd": "mark"})["count"]
-        for rep in range(reps):
+        for _ in range(reps):
             for name, call in (("grpc_stream", lambda: stream((payload[i:i + GRPC_CHUNK] for i in range(0, len(payload), GRPC_CHUNK)))),
                                ("grpc_unary", lambda: unary(payload))):
-                count = peer.cmd({"cmd": "mark"})["count"]
-                t0 = time.perf_counter()
+                mark = peer.cmd({"cmd": "mark"})
+                c0, t0 = cpu_s(), time.perf_counter()
                 call()
-                reply = peer.cmd({"cmd": "expect", "count": count + 1})
+                reply = peer.cmd({"cmd": "expect", "count": mark["count"] + 1})
                 out[name].append(time.perf_counter() - t0)
-                out["rss_" + name.split("_")[1]].append(max(0, reply["extra_rss_bytes"] - len(payload)))
+                out["cpu_send_" + name].append(cpu_s() - c0)
+                out["cpu_recv_" + name].append(reply["cpu_s"] - mark["cpu_s"])
+                out["rss_" + name].append(max(0, reply["extra_rss_bytes"] - len(payload)))
     return out
 
 
 def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int) -> Dict[str, Any]:
     reply = peer.cmd({"cmd": "endpoint", "config": {k: v for k, v in cfg.__dict__.items()}})
-    times, rss = [], []
+    times, rss, cpu_send, cpu_recv = [], [], [], []
     info: Dict[str, Any] = {}
     # tls: one certificate names both ends (_bench_tls); the receiver is known by its address
     names = {"name": "bench-sender", "party_names": {reply["address"]: "bench-receiver"}} if cfg.tls else {}
@@ -91,28 +110,37 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int)
         peer.cmd({"cmd": "expect", "count": count + 1})
         path = getattr(ep.connect(reply["address"]).rcs[0].qp, "data_path", "verbs")
         for _ in range(reps):
-            count = peer.cmd({"cmd": "mark"})["count"]
-            t0 = time.perf_counter()
+            mark = peer.cmd({"cmd": "mark"})
+            c0, t0 = cpu_s(), time.perf_counter()
             fut = ep.send(reply["address"], data)
             info = fut.result(cfg.transfer_timeout_s)
-            r = peer.cmd({"cmd": "expect", "count": count + 1})
+            r = peer.cmd({"cmd": "expect", "count": mark["count"] + 1})
             times.append(time.perf_counter() - t0)
+            cpu_send.append(cpu_s() - c0)
+            cpu_recv.append(r["cpu_s"] - mark["cpu_s"])
             # above the receiver's level before its endpoint existed, less what the method must hold:
             # fedrdma its destination (the payload), fedrdma-e its registered pool
             held = data.nbytes if cfg.mode == "fedrdma" else r["pool_bytes"]
             rss.append(max(0, r["endpoint_rss_bytes"] - held))
         emulated, provider, label = ep.ctx.emulated, ep.ctx.provider, ep.ctx.label
-    return {"times": times, "rss": rss, "window": info.get("window"), "chunks": info.get("chunks"),
+    return {"times": times, "rss": rss, "cpu_send": cpu_send, "cpu_recv": cpu_recv,
+            "window": info.get("window"), "chunks": info.get("chunks"),
             "emulated": emulated, "provider": provider, "label": label, "path": path}
 
 
 def run(args: argparse.Namespace) -> int:
     nbytes = (args.payload_mib or (256 if args.quick else 1024)) * MiB
     reps = args.reps or (2 if args.quick else 3)
-    methods = [m.strip() for m in args.methods.split(",")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     windows = [w.strip() for w in args.windows.split(",")]
-    print(f"fate-rdma bench transfer: payload {human_bytes(nbytes)}, {reps} repetitions, scenarios {args.scenarios}", flush=True)
-    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [x for x in scenarios if x not in SCENARIOS] + [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"fate-rdma bench transfer: unknown scenario or method {', '.join(unknown)} "
+                         f"(scenarios: {', '.join(SCENARIOS)}; methods: {', '.join(METHODS)})")
+    print(f"fate-rdma bench transfer: payload {human_bytes(nbytes)}, {reps} repetitions, scenarios {','.join(scenarios)}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    data = np.frombuffer(np.random.default_rng(PAYLOAD_SEED).bytes(nbytes), dtype=np.uint8)
     rows: List[Dict[str, Any]] = []
     tls_dir = tempfile.TemporaryDirectory(prefix="fate-rdma-bench-tls-") if args.tls else None
     tls_files = _bench_tls(tls_dir.name) if tls_dir is not None else None
@@ -124,39 +152,26 @@ def run(args: argparse.Namespace) -> int:
         secret = os.path.join(secret_dir.name, "secret")
         write_secret(secret)
 
-    def add(row: Dict[str, Any]) -> None:
+    def add(row: Dict[str, Any], cpu_send: Optional[List[float]] = None, cpu_recv: Optional[List[float]] = None) -> None:
         # the machine's 1-minute load average with every row: figures from a busy machine say so
         row = {"bench": "transfer", **row, "payload_bytes": nbytes, "loadavg_1m": round(os.getloadavg()[0], 2)}
         if row.get("seconds"):
             row["gbps"] = round(nbytes * 8 / row["seconds"] / 1e9, 3)
+        if cpu_send is not None:
+            row["cpu_send_s_per_gb"] = per_gb(median(cpu_send), nbytes)
+        if cpu_recv is not None:
+            row["cpu_recv_s_per_gb"] = per_gb(median(cpu_recv), nbytes)
         rows.append(row)
         emit(row)
 
+    baselines_done = False
     with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer:
-        for scen in [s.strip() for s in args.scenarios.split(",")]:
+        for scen in scenarios:
             link = SCENARIOS[scen]
-            if link is None and scen == "loopback-tcp" and "loopback" in args.scenarios:
-                pass  # the raw TCP and gRPC baselines of "loopback" serve both
-            elif link is None:
-                if "raw_tcp" in methods:
-                    raw = RawTcp(peer)
-                    raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes)  # warm-up
-                    ts = []
-                    for _ in range(reps):
-                        peer.cmd({"cmd": "mark"})
-                        ts.append(raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes))
-                    r = peer.cmd({"cmd": "peak"})
-                    add({"scenario": scen, "method": "raw_tcp", "window": None, "provider": "tcp", "emulated": False,
-                         "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"], "chunks": None})
-                    raw.close()
-                if {"grpc_stream", "grpc_unary"} & set(methods):
-                    g = _grpc(peer, data.tobytes(), reps)
-                    for m in ("grpc_stream", "grpc_unary"):
-                        if m in methods:
-                            add({"scenario": scen, "method": m, "window": None, "provider": "grpc", "emulated": False,
-                                 "seconds": round(median(g[m]), 4), "extra_rss_bytes": int(median(g["rss_" + m.split("_")[1]])),
-                                 "chunks": -(-nbytes // GRPC_CHUNK) if m == "grpc_stream" else 1})
-            else:
+            if link is None and not baselines_done:  # once: the same TCP over loopback serves both loopback scenarios
+                baselines_done = True
+                _baselines(peer, scen, methods, data, reps, add)
+            elif link is not None:
                 add({"scenario": scen, "method": "wire_time", "window": None, "provider": "model", "emulated": True,
                      "seconds": round(nbytes * 8 / RATES[scen], 4), "extra_rss_bytes": None, "chunks": None})
             for mode in ("fedrdma", "fedrdma-e"):
@@ -173,14 +188,54 @@ def run(args: argparse.Namespace) -> int:
                          "provider": res["provider"], "emulated": res["emulated"], "label": res["label"],
                          "path": res["path"], "checksum": args.checksum, "tls": tls,
                          "seconds": round(median(res["times"]), 4),
-                         "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"]})
+                         "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"]},
+                        res["cpu_send"], res["cpu_recv"])
     print()
-    table([dict(r, rss=human_bytes(r["extra_rss_bytes"]) if r.get("extra_rss_bytes") is not None else "-") for r in rows],
+    table([dict(r, rss=human_bytes(r["extra_rss_bytes"]) if r.get("extra_rss_bytes") is not None else "-",
+                seconds=r.get("seconds", "skipped"), cpu_snd=r.get("cpu_send_s_per_gb", "-"),
+                cpu_rcv=r.get("cpu_recv_s_per_gb", "-")) for r in rows],
           ["scenario", "method", "window", "provider", "path", "emulated", "checksum", "seconds", "gbps", "chunks", "rss",
-           "loadavg_1m"])
+           "cpu_snd", "cpu_rcv", "loadavg_1m"])
+    print("cpu_snd, cpu_rcv: CPU seconds per GB moved, of the sending and the receiving process (user + system, all "
+          "threads); the soft provider is an emulation of verbs over TCP (emulated: True), not RDMA")
+    for r in rows:
+        if r.get("skipped"):
+            print(f"skipped {r['method']}: {r['skipped']}")
     _verdicts(rows, nbytes)
     _tls_verdicts(rows)
     return 0
+
+
+def _baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int, add: Any) -> None:
+    """Raw TCP, gRPC and Mooncake TE over loopback TCP, each against the same payload."""
+    nbytes = data.nbytes
+    if "raw_tcp" in methods:
+        raw = RawTcp(peer)
+        raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes)  # warm-up
+        ts, cpu_send, cpu_recv = [], [], []
+        for _ in range(reps):
+            c_recv = peer.cmd({"cmd": "mark"})["cpu_s"]
+            c_send = cpu_s()
+            ts.append(raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes))
+            cpu_send.append(cpu_s() - c_send)
+            cpu_recv.append(peer.cmd({"cmd": "cpu"})["cpu_s"] - c_recv)
+        r = peer.cmd({"cmd": "peak"})
+        add({"scenario": scen, "method": "raw_tcp", "window": None, "provider": "tcp", "path": "tcp", "emulated": False,
+             "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"], "chunks": None}, cpu_send, cpu_recv)
+        raw.close()
+    if {"grpc_stream", "grpc_unary"} & set(methods):
+        g = _grpc(peer, data.tobytes(), reps)
+        for m in ("grpc_stream", "grpc_unary"):
+            if m in methods:
+                add({"scenario": scen, "method": m, "window": None, "provider": "grpc", "path": "tcp", "emulated": False,
+                     "seconds": round(median(g[m]), 4), "extra_rss_bytes": int(median(g["rss_" + m])),
+                     "chunks": -(-nbytes // GRPC_CHUNK) if m == "grpc_stream" else 1},
+                    g["cpu_send_" + m], g["cpu_recv_" + m])
+    if set(mooncake.METHODS) & set(methods):
+        crc = crc32c.crc32c(data)
+        for m, res in mooncake.measure(methods, peer.host, nbytes, PAYLOAD_SEED, crc, reps, ChannelConfig().chunk_bytes).items():
+            add({"scenario": scen, "method": m, "window": None, "provider": "mooncake-te", "path": "tcp", "emulated": False,
+                 "extra_rss_bytes": None, **res})
 
 
 def _bench_tls(folder: str) -> Dict[str, Any]:
@@ -205,24 +260,35 @@ def _tls_verdicts(rows: List[Dict[str, Any]]) -> None:
 
 
 def _verdicts(rows: List[Dict[str, Any]], nbytes: int) -> None:
-    def get(scen: str, method: str, auto: Optional[bool] = None) -> Optional[Dict[str, Any]]:
+    def get(scen: Optional[str], method: str, auto: Optional[bool] = None) -> Optional[Dict[str, Any]]:
+        """The measured row of `method` in `scen` (None: any scenario, for the baselines run once)."""
         for r in rows:
-            if r["scenario"] == scen and r["method"] == method:
+            if (scen is None or r["scenario"] == scen) and r["method"] == method and r.get("seconds"):
                 if auto is None or str(r["window"]).startswith("auto") == auto:
                     return r
         return None
 
     print()
-    e, raw, gs = get("loopback", "fedrdma-e", True), get("loopback", "raw_tcp"), get("loopback", "grpc_stream")
-    if e and raw and gs:
+    raw, gs = get(None, "raw_tcp"), get(None, "grpc_stream")
+    e, t = get("loopback", "fedrdma-e", True), get("loopback-tcp", "fedrdma-e", True)
+    if e and raw:
         # Soft-RoCE (rxe) is real verbs but no RDMA hardware: its label says so, never "RDMA"
         kind = "emulated" if e["emulated"] else ("RDMA" if e["label"].startswith("pyverbs") else e["label"])
-        print(f"loopback ({kind}): fedrdma-e / raw TCP throughput = "
-              f"{raw['seconds'] / e['seconds']:.2f} (target >= 0.8); fedrdma-e / gRPC stream = {gs['seconds'] / e['seconds']:.2f} (target >= 2)")
-    t = get("loopback-tcp", "fedrdma-e", True)
+        grpc = f"; fedrdma-e / gRPC stream = {gs['seconds'] / e['seconds']:.2f} (target >= 2)" if gs else ""
+        print(f"loopback ({kind}): fedrdma-e / raw TCP throughput = {raw['seconds'] / e['seconds']:.2f} (target >= 0.8){grpc}")
     if e and raw and t:  # the two paths, each against raw TCP of the same run, never mixed in one ratio
         print(f"same host, {e.get('path')}: fedrdma-e / raw TCP throughput = {raw['seconds'] / e['seconds']:.2f} "
               f"(target >= 2); over loopback TCP (as between hosts): {raw['seconds'] / t['seconds']:.2f} (target >= 0.95)")
+    elif raw and t:
+        print(f"over loopback TCP (soft provider, emulated, as between hosts): fedrdma-e / raw TCP throughput = "
+              f"{raw['seconds'] / t['seconds']:.2f} (target >= 0.95)")
+    mc = [r for r in (get(None, m) for m in mooncake.METHODS) if r]
+    if t and mc:  # both over loopback TCP; Mooncake checksums nothing, fedrdma-e its whole payload (unless none)
+        best = min(mc, key=lambda r: r["seconds"])
+        verdict = "faster" if t["seconds"] < best["seconds"] else "NOT faster"
+        print(f"over loopback TCP: fedrdma-e {t['seconds']:.3f} s (checksum {t.get('checksum')}) vs Mooncake TE TCP "
+              f"{best['method']} {best['seconds']:.3f} s (no checksum): {verdict} (throughput ratio "
+              f"{best['seconds'] / t['seconds']:.2f})")
     w1, auto = get("link-10g-20ms", "fedrdma-e", False), get("link-10g-20ms", "fedrdma-e", True)
     if w1 and auto:
         wire = nbytes * 8 / 10e9

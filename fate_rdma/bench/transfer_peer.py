@@ -4,6 +4,8 @@ Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
 a fate-rdma Endpoint (optional "name", "allowed_peers", "party_names"); {"cmd": "stats"} reports its memory, threads and
 refusals; {"cmd": "send", "address", "hex"} sends from it; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
+{"cmd": "cpu"} answers this process's CPU seconds so far (user + system, every thread; "mark", "peak" and
+"expect" answer them too, so the bench takes the receiver's CPU time over each measured transfer);
 {"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
 calls arrived in all, and answers with the peak RSS above the level before the last "mark" and
 above the level before the endpoint was made, the endpoint's FedRDMA-E pool bytes (and, with "record": true on the
@@ -24,6 +26,7 @@ import easypyverbs as ev
 
 from ..channel import Endpoint
 from ..config import ChannelConfig
+from .cpu import cpu_s
 from .memory import peak_rss_bytes, reset_peak, rss_bytes
 from .peer import _RawReceiver
 
@@ -121,12 +124,15 @@ def serve(host: str, port: int) -> int:
                 conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
             elif op == "mark":
                 base_rss = ep_base_rss = rss_bytes()
-                conn.send({"ok": True, "peak_reset": reset_peak(), "count": counter.n})
+                conn.send({"ok": True, "peak_reset": reset_peak(), "count": counter.n, "cpu_s": cpu_s()})
+            elif op == "cpu":
+                conn.send({"ok": True, "cpu_s": cpu_s()})
             elif op == "peak":
-                conn.send({"ok": True, "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss)})
+                conn.send({"ok": True, "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss), "cpu_s": cpu_s()})
             elif op == "expect":
                 ok = counter.wait(int(cmd["count"]), float(cmd.get("timeout_s", 600)))
-                conn.send({"ok": ok, "error": "" if ok else "messages did not arrive in time",
+                cpu = cpu_s()  # first: what follows is the bench's bookkeeping, not the transfer's
+                conn.send({"ok": ok, "cpu_s": cpu, "error": "" if ok else "messages did not arrive in time",
                            "extra_rss_bytes": max(0, peak_rss_bytes() - base_rss), "bytes": counter.bytes[-1:],
                            "endpoint_rss_bytes": max(0, peak_rss_bytes() - ep_base_rss),
                            "pool_bytes": ep.pool_bytes() if ep is not None else 0,

@@ -43,7 +43,8 @@ class Responder:
 
     def _find_mr(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[Any]:
         mr = self.ctx.mr_by_rkey(rkey)  # type: ignore[attr-defined]
-        if mr is None or mr.pd is not self.pd or not mr.access & need:
+        # int.__and__: IntFlag's own & builds a flag member, a few microseconds per request
+        if mr is None or mr.pd is not self.pd or not int.__and__(mr.access, need):
             return None
         if raddr < mr.addr or raddr + length > mr.addr + mr.length:
             return None
@@ -58,10 +59,11 @@ class Responder:
 
     def _respond_loop(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
         hdr = memoryview(bytearray(wire.REQ.size))
+        rd = wire.Reader(sock)  # the only reader of `sock`: headers and small payloads in few system calls
         expected = psn
         while True:
             try:
-                wire.recv_exactly_into(sock, hdr)
+                rd.read_into(hdr)
                 magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
                 due = time.monotonic() + due_us / 1e6 + fwd_delay_s
                 op, has_imm, pull = opcode & 0x3F, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
@@ -70,11 +72,11 @@ class Responder:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
                     return
                 expected = (expected + 1) & PSN_MASK
-                spans = self._read_spans(sock, length) if pull else None
+                spans = self._read_spans(rd, length) if pull else None
                 if pull and spans is None:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
                     return
-                self._serve(sock, op, has_imm, psn, length, raddr, rkey, imm, due, spans)
+                self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, spans)
             except (OSError, wire.PeerClosed) as exc:
                 with self._cv:
                     acks_pending = bool(self._inflight)
@@ -87,34 +89,35 @@ class Responder:
                 self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
                 return
 
-    def _read_spans(self, sock: socket.socket, length: int) -> Optional[List[Any]]:
+    def _read_spans(self, rd: wire.Reader, length: int) -> Optional[List[Any]]:
         """The (address, length) spans of a same-host request; None if they do not add up to `length`."""
-        (count,) = wire.PULL_COUNT.unpack(wire.recv_exactly(sock, wire.PULL_COUNT.size))
+        (count,) = wire.PULL_COUNT.unpack(rd.read(wire.PULL_COUNT.size))
         if count > wire.MAX_PULL_SPANS:
             return None
-        raw = wire.recv_exactly(sock, count * wire.PULL_SPAN.size)
+        raw = rd.read(count * wire.PULL_SPAN.size)
         spans = [wire.PULL_SPAN.unpack_from(raw, i * wire.PULL_SPAN.size) for i in range(count)]
         return spans if sum(n for _, n in spans) == length else None
 
-    def _place(self, sock: socket.socket, spans: Optional[List[Any]], targets: List[memoryview], due: float,
+    def _place(self, rd: wire.Reader, spans: Optional[List[Any]], targets: List[memoryview], due: float,
                psn: int) -> bool:
         """Fill `targets` with the request's payload: from the socket, or (same-host path) straight from
         the requester's memory. False (the request answered with an error, the QP failing) if the
         requester's memory cannot be read."""
         if spans is None:
             for t in targets:
-                wire.recv_exactly_into(sock, t)
+                rd.read_into(t)
             return True
         try:
             samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
         except OSError as exc:
-            self._answer(sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
+            self._answer(rd.sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
                          why=f"cannot read the requester's memory: {exc}")
             return False
         return True
 
-    def _serve(self, sock: socket.socket, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
+    def _serve(self, rd: wire.Reader, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
                imm: int, due: float, spans: Optional[List[Any]] = None) -> None:
+        sock = rd.sock  # answers go out on it; every byte in comes through `rd`
         if op == wire.OP_READ:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
             if view is None:
@@ -128,21 +131,21 @@ class Responder:
             mr = self._find_mr(rkey, raddr, length, Access.REMOTE_WRITE)
             view = mr.begin_remote(raddr - mr.addr, length) if mr is not None else None
             if view is None:
-                self._drain(sock, length, spans)
+                self._drain(rd, length, spans)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
                 return
             try:
                 recv = self._take_recv() if has_imm else None
                 if has_imm and recv is None:
-                    self._drain(sock, length, spans)
+                    self._drain(rd, length, spans)
                     self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
                     return
-                if not self._place(sock, spans, [view], due, psn):
+                if not self._place(rd, spans, [view], due, psn):
                     return
             finally:
                 mr.end_remote()
             if (recv is None and self._resp_line is None and due <= time.monotonic()
-                    and self._unacked_bytes + length < ACK_EVERY_BYTES and wire.more_pending(sock)):
+                    and self._unacked_bytes + length < ACK_EVERY_BYTES and rd.more_pending()):
                 self._unacked_bytes += length
                 return  # the next request is already arriving: its answer acknowledges this one too
             self._unacked_bytes = 0
@@ -151,12 +154,12 @@ class Responder:
             return
         recv = self._take_recv()  # SEND
         if recv is None:
-            self._drain(sock, length, spans)
+            self._drain(rd, length, spans)
             self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
             return
         wr_id, sges = recv
         if length > sum(s.length for s in sges):
-            self._drain(sock, length, spans)
+            self._drain(rd, length, spans)
             wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qpn)
             self._answer(sock, due, wire.NAK, psn, WCStatus.REM_INV_REQ_ERR, wc=wc, then_error=True)
             return
@@ -166,17 +169,17 @@ class Responder:
             if k:
                 targets.append(s.view()[:k])
             left -= k
-        if not self._place(sock, spans, targets, due, psn):
+        if not self._place(rd, spans, targets, due, psn):
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
-    def _drain(self, sock: socket.socket, length: int, spans: Optional[List[Any]] = None) -> None:
+    def _drain(self, rd: wire.Reader, length: int, spans: Optional[List[Any]] = None) -> None:
         if spans is not None:
             return  # same-host path: the payload never came over the socket
         if self._scratch is None:
             self._scratch = memoryview(bytearray(1 << 20))
-        wire.drain(sock, length, self._scratch)
+        wire.drain(rd, length, self._scratch)
 
     def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
                 wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False,

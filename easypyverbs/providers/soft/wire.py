@@ -93,12 +93,81 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def drain(sock: socket.socket, n: int, scratch: memoryview) -> None:
-    """Read and discard `n` bytes through a bounded scratch buffer."""
+def drain(sock: Any, n: int, scratch: memoryview) -> None:
+    """Read and discard `n` bytes through a bounded scratch buffer (`sock`: a socket or a Reader)."""
     while n > 0:
         k = min(n, scratch.nbytes)
-        recv_exactly_into(sock, scratch[:k])
+        if isinstance(sock, Reader):
+            sock.read_into(scratch[:k])
+        else:
+            recv_exactly_into(sock, scratch[:k])
         n -= k
+
+
+#: read-ahead of a Reader: enough frames of small messages (40-byte header + 4 KiB) per system call
+#: to cut the calls per message about tenfold, small enough that the extra copy it costs a large
+#: payload (its first bytes come through here) stays under 2 % of a 4 MiB chunk
+READ_AHEAD_BYTES = 64 << 10
+
+
+class Reader:
+    """Reads the frames of one connection with few system calls: what is short (headers, spans, small
+    payloads) comes out of a read-ahead buffer; a long payload goes straight from the socket into the
+    caller's memory once the buffered bytes are used. The only reader of its socket.
+
+    A short read (a quarter of the buffer at most) takes nothing until all of it is here, so a timeout
+    (SO_RCVTIMEO) while waiting for a header leaves the stream where it was and the call can be repeated.
+    """
+
+    def __init__(self, sock: Any, size: int = READ_AHEAD_BYTES) -> None:
+        self.sock = sock
+        self._buf = memoryview(bytearray(size))
+        self._small = size // 4  # longer reads go straight into the caller's memory
+        self._start = self._end = 0
+
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def more_pending(self) -> bool:
+        """True if bytes of a next frame are already here (used to coalesce ACKs)."""
+        return self._end > self._start or more_pending(self.sock)
+
+    def _fill(self, need: int) -> None:
+        """Read until at least `need` (<= the buffer's size) bytes are buffered."""
+        if self._start + need > self._buf.nbytes:  # compact: move the buffered tail to the front
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start:self._end]
+            self._start, self._end = 0, n
+        while self._end - self._start < need:
+            got = self.sock.recv_into(self._buf[self._end:], self._buf.nbytes - self._end)
+            if got == 0:
+                raise PeerClosed(f"peer closed the connection after {self._end - self._start} of {need} bytes")
+            self._end += got
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill `view` with the next `view.nbytes` bytes of the stream."""
+        n = view.nbytes
+        if n <= self._small:
+            if self._end - self._start < n:
+                self._fill(n)
+            view[:] = self._buf[self._start:self._start + n]
+            self._start += n
+            if self._start == self._end:
+                self._start = self._end = 0
+            return
+        k = min(n, self._end - self._start)  # long: the buffered bytes, then the socket straight into `view`
+        if k:
+            view[:k] = self._buf[self._start:self._start + k]
+            self._start += k
+        if self._start == self._end:
+            self._start = self._end = 0
+        if k < n:
+            recv_exactly_into(self.sock, view[k:])
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.read_into(memoryview(buf))
+        return bytes(buf)
 
 
 def more_pending(sock: Any) -> bool:
