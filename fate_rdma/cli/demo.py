@@ -186,7 +186,8 @@ def _full_comparison(args: argparse.Namespace) -> bool:
     if _fate_missing():
         return True
     ns = argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma", path="tcp",
-                            methods="fate,fate-rdma", provider=args.provider, timeout=1800, keep=None)
+                            methods="fate,fate-rdma", provider=args.provider, timeout=1800, keep=None,
+                            channel_alone=False)  # `bench fate` shows the channel-alone baseline
     return fate_federation.run(ns) == 0
 
 
