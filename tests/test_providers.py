@@ -118,3 +118,17 @@ def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch):
         assert bytes(b.buf) == snapshot
     finally:
         close_pair([a, b])
+
+
+def test_demo_part_2_gives_bench_fate_every_argument():
+    """`fate-rdma demo` part 2 calls `bench fate` with a namespace of its own: it must carry every option
+    `bench fate` defines (a new bench option once broke `make demo` here)."""
+    import argparse
+
+    from fate_rdma.bench import fate_federation
+    from fate_rdma.cli.demo import full_comparison_args
+
+    p = argparse.ArgumentParser()
+    fate_federation.add_arguments(p)
+    wanted = {a.dest for a in p._actions if a.dest != "help"}
+    assert wanted <= set(vars(full_comparison_args("soft")))

@@ -185,10 +185,14 @@ def _full_comparison(args: argparse.Namespace) -> bool:
           flush=True)
     if _fate_missing():
         return True
-    ns = argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma", path="tcp",
-                            methods="fate,fate-rdma", provider=args.provider, timeout=1800, keep=None,
-                            channel_alone=False)  # `bench fate` shows the channel-alone baseline
-    return fate_federation.run(ns) == 0
+    return fate_federation.run(full_comparison_args(args.provider)) == 0
+
+
+def full_comparison_args(provider: str) -> argparse.Namespace:
+    """`bench fate`'s arguments for demo part 2: one round at the largest scale FATE fits, both methods."""
+    return argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma", path="tcp",
+                              methods="fate,fate-rdma", provider=provider, timeout=1800, keep=None,
+                              channel_alone=False)  # `bench fate` shows the channel-alone baseline
 
 
 def run(args: argparse.Namespace) -> int:
