@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
                 row["fate_slices_up"] = -(-row["up_bytes"] // (1 << 20))
                 emit(row)
                 rows.append(row)
-                if method == "fate-rdma" and getattr(args, "channel_alone", True):
+                if method == "fate-rdma" and args.channel_alone:
                     base_row = _channel_alone_row(row, args, rounds, data_path)
                     emit(base_row)
                     rows.append(base_row)

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks, leaf  # noqa: F401 (re-exported)
+from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -57,12 +57,8 @@ def payload_checksum(views: Sequence[memoryview]) -> int:
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
-    """The keyed BLAKE2b leaf digests of the payload's blocks, in parallel; equal to integrity.leaves."""
-    blocks = _blocks(views)
-    last = len(blocks) - 1
-    if len(blocks) <= 1:
-        return b"".join(leaf(key, i, i == last, b) for i, b in enumerate(blocks))
-    return b"".join(_pool("block").map(lambda ib: leaf(key, ib[0], ib[0] == last, ib[1]), enumerate(blocks)))
+    """The keyed BLAKE2b leaf digests of the payload's blocks (integrity.leaves), in parallel."""
+    return leaves(key, views, _pool("block").map)
 
 
 def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:

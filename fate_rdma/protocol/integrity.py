@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-from typing import List, Sequence, Union
+from typing import Callable, List, Sequence, Union
 
 import crc32c
 
@@ -74,10 +74,12 @@ def leaf(key: bytes, index: int, last: bool, pieces: Sequence[memoryview]) -> by
     return h.digest()
 
 
-def leaves(key: bytes, views: Sequence[memoryview]) -> bytes:
-    """Every block's leaf digest, one after another (channel/checksum.py computes the same in parallel)."""
+def leaves(key: bytes, views: Sequence[memoryview], map_: Callable = map) -> bytes:
+    """Every block's leaf digest, one after another; `map_` may run them in parallel (channel/checksum.py
+    passes a thread pool's map: hashlib releases the GIL)."""
     bs = blocks(views)
-    return b"".join(leaf(key, i, i == len(bs) - 1, b) for i, b in enumerate(bs))
+    last = len(bs) - 1
+    return b"".join(map_(lambda ib: leaf(key, ib[0], ib[0] == last, ib[1]), enumerate(bs)))
 
 
 def tag(key: bytes, header: Header, meta: bytes, leaf_digests: bytes) -> bytes:
