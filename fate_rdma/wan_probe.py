@@ -12,6 +12,13 @@ they listen, and stop when their stdin closes (so a parent that dies takes them 
   channel-recv --host H --secret F       a fate-rdma Endpoint (soft provider) receiving --count messages
   channel-send --host H --secret F --to ADDR --bytes N   N seeded bytes to ADDR (--reps times)
   grpc-serve --host H / grpc-send --to H:P --bytes N     a gRPC client stream of N bytes, verified
+  mooncake --role recv|send --host H --bytes N   a Mooncake TE (TCP transport, P2PHANDSHAKE) side driven by
+                                 JSON lines on stdin: write / fill / crc (fate_rdma.bench.mooncake_peer's engine)
+  burn                           one busy-looping process (a CPU stress) until stdin closes or --deadline-s
+
+Senders given --wait-go print {"ready": true} once connected, then before each timed transfer read one
+line "go T" from stdin and start at wall-clock time T (time.time()): several senders in several sites
+then start together (the sites are namespaces of one machine: one clock).
 
 Payloads are `payload(n, seed)`: both sides of a test can name the bytes without sending them twice.
 Only the channel commands import the channel; the rest is the standard library and crc32c.
@@ -52,6 +59,16 @@ def _addr(s: str) -> Tuple[str, int]:
     if not sep or not port.isdigit():
         raise argparse.ArgumentTypeError(f"want HOST:PORT, got {s!r}")
     return host, int(port)
+
+
+def wait_go() -> None:
+    """Block until the parent says "go T", then until wall-clock time T (a shared start across sites)."""
+    line = sys.stdin.readline()
+    if not line.startswith("go "):
+        raise RuntimeError(f"expected 'go <time>' on stdin, got {line.strip()!r}" if line else "stdin closed before go")
+    delay = float(line.split()[1]) - time.time()
+    if delay > 0:
+        time.sleep(delay)
 
 
 def _stdin_closed_or(deadline: float) -> None:
@@ -200,8 +217,9 @@ def _channel_config(args: argparse.Namespace) -> Any:
     # same_host=False: the soft provider would otherwise copy straight from the sender's memory
     # (process_vm_readv) between the namespaces of this one machine, and no byte would cross the link
     window = args.window if args.window == "auto" else int(args.window)
+    link_enable = {"true": True, "false": False}.get(args.link_enable, args.link_enable)
     return ChannelConfig(provider="soft", same_host=False, secret_file=args.secret, mode=args.mode,
-                         chunk_bytes=args.chunk_bytes, window=window,
+                         chunk_bytes=args.chunk_bytes, window=window, qps_per_peer=args.qps, link_enable=link_enable,
                          link_rate_bps=args.link_rate_mbit * 1e6 if args.link_rate_mbit else None,
                          slot_bytes=args.slot_bytes, pool_slots=2, connect_timeout_s=args.timeout_s,
                          no_progress_timeout_s=args.timeout_s, transfer_timeout_s=args.timeout_s)
@@ -232,12 +250,56 @@ def channel_send(args: argparse.Namespace) -> int:
     with Endpoint(_channel_config(args), host=args.host) as ep:
         if args.warmup:  # connect, authenticate and probe the RTT outside the timed transfers
             ep.send(args.to, payload(args.chunk_bytes, 0), {"warmup": True}).result(timeout=args.timeout_s)
+        if args.wait_go:
+            emit({"ready": True, "address": ep.address, "crc32c": crc})
         for rep in range(args.reps):
+            if args.wait_go:
+                wait_go()
             t0 = time.perf_counter()
             info = ep.send(args.to, data, {"seed": args.seed, "rep": rep}).result(timeout=args.timeout_s)
             dt = time.perf_counter() - t0
             emit({"rep": rep, "bytes": len(data), "crc32c": crc, "seconds": dt, "bps": len(data) * 8 / dt,
-                  "label": ep.label, "info": info if isinstance(info, dict) else repr(info)})
+                  "label": ep.label, "address": ep.address, "info": info if isinstance(info, dict) else repr(info)})
+    return 0
+
+
+# -- Mooncake Transfer Engine, one side, driven over stdin ------------------------------------------
+def mooncake_side(args: argparse.Namespace) -> int:
+    """The engine of fate_rdma.bench.mooncake_peer (TCP transport, P2PHANDSHAKE), commanded by JSON lines
+    on stdin instead of a bootstrap socket (a site namespace cannot reach one in the host namespace)."""
+    from .bench.mooncake_peer import _Side, version
+
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # a dozen INFO lines per transfer otherwise
+    side = _Side(args.role, args.host, args.bytes, args.seed)
+    emit({"ready": True, "session": side.session, "addr": side.addr, "version": version(),
+          "crc32c": crc32c.crc32c(side.buf) if args.role == "send" else None})
+    for line in sys.stdin:  # until the parent closes stdin
+        cmd = json.loads(line)
+        op = cmd.get("cmd")
+        if op == "write":
+            r = side.write(cmd["target"], int(cmd["dst_addr"]), int(cmd["nbytes"]), int(cmd.get("chunk_bytes", 0)))
+            emit(r if r.get("ok") else {"error": r.get("error", "write failed")})
+        elif op == "fill":
+            side.buf.fill(int(cmd.get("value", 0)))
+            emit({"ok": True})
+        elif op == "crc":
+            emit({"crc32c": crc32c.crc32c(side.buf[:int(cmd["nbytes"])])})
+        else:
+            emit({"error": f"unknown command {op!r}"})
+    return 0
+
+
+def burn(deadline_s: float) -> int:
+    """Spin on one core until stdin closes (checked every ~50 ms) or the deadline passes."""
+    emit({"ready": True, "pid": os.getpid()})
+    end = time.monotonic() + deadline_s
+    x = 0
+    while time.monotonic() < end:
+        t = time.monotonic() + 0.05
+        while time.monotonic() < t:
+            x += 1
+        if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.buffer.read1(4096):
+            break
     return 0
 
 
@@ -322,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--bytes", type=int, required=True)
     t.add_argument("--seed", type=int, default=1)
     t.add_argument("--timeout-s", type=float, default=60.0)
+    t.add_argument("--reps", type=int, default=1, help="transfers, each on a new connection, one JSON line each")
+    t.add_argument("--wait-go", action="store_true", help="print ready, then wait for 'go T' before each transfer")
+    mc = sub.add_parser("mooncake")
+    mc.add_argument("--role", required=True, choices=["recv", "send"])
+    mc.add_argument("--host", required=True, help="this site's address (the engine's local server name)")
+    mc.add_argument("--bytes", type=int, required=True, help="bytes to register (the sender's are its payload)")
+    mc.add_argument("--seed", type=int, default=1)
+    b = sub.add_parser("burn")
+    b.add_argument("--deadline-s", type=float, default=600.0)
     for name in ("channel-recv", "channel-send"):
         c = sub.add_parser(name)
         c.add_argument("--host", required=True, help="this site's address (the endpoint binds it)")
@@ -333,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--window", default="auto", help="chunks in flight: a number (1 = the paper) or auto")
         c.add_argument("--link-rate-mbit", type=float, default=0.0,
                        help="nominal link rate for the automatic window (0: the channel's default)")
+        c.add_argument("--qps", type=int, default=1, help="qps_per_peer: QPs (soft provider: TCP streams) per peer")
+        c.add_argument("--link-enable", default="auto", choices=["true", "false", "auto"],
+                       help="Link-Enable: a 4 KiB first chunk (auto: on from 4 Gbit/s nominal rate)")
         if name == "channel-recv":
             c.add_argument("--port", type=int, default=0)
             c.add_argument("--count", type=int, default=1)
@@ -342,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--seed", type=int, default=1)
             c.add_argument("--reps", type=int, default=1, help="timed transfers, one JSON line each")
             c.add_argument("--warmup", action="store_true", help="one untimed chunk first (connect, RTT probe)")
+            c.add_argument("--wait-go", action="store_true", help="print ready, then wait for 'go T' before each transfer")
     return p
 
 
@@ -357,9 +432,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             emit(out)
             return 0
         if args.cmd == "tcp-send":
-            out = tcp_stream(args.to, payload(args.bytes, args.seed), 0.0, args.timeout_s)
-            emit(out)
-            return 0 if out["ok"] else 1
+            data = payload(args.bytes, args.seed)
+            if args.wait_go:
+                emit({"ready": True, "crc32c": crc32c.crc32c(data)})
+            for _ in range(args.reps):
+                if args.wait_go:
+                    wait_go()
+                out = tcp_stream(args.to, data, 0.0, args.timeout_s)
+                emit(out)
+                if not out["ok"]:
+                    return 1
+            return 0
+        if args.cmd == "mooncake":
+            return mooncake_side(args)
+        if args.cmd == "burn":
+            return burn(args.deadline_s)
         if args.cmd == "channel-recv":
             return channel_recv(args)
         if args.cmd == "grpc-serve":

@@ -183,22 +183,113 @@ def test_not_root_is_a_clear_refusal(monkeypatch: pytest.MonkeyPatch, capsys: py
         assert "needs root" in capsys.readouterr().err
 
 
+def _rows(root: Path) -> list:
+    (run,) = list(root.iterdir())
+    return [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+
+
+def _png(path: Path) -> None:
+    if importlib.util.find_spec("matplotlib"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+
+
 @pytest.mark.timeout(240)
 def test_eval_link_quick(can_build: None, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The evaluation's quick mode end to end: every transport on one shaped link, verified, written, removed."""
-    rc = cli_main(["eval", "link", "--links", "50:10:0", "--chunks", "65536", "--bytes", str(2 << 20), "--reps", "1",
+    """Every link study on one shaped link (one testbed): each transport verified, written, removed."""
+    rc = cli_main(["eval", "link", "--study", "chunks,qps,link-enable,window", "--links", "50:10:0", "--chunks", "65536",
+                   "--qps", "2", "--windows", "2", "--modes", "fedrdma-e", "--bytes", str(2 << 20), "--reps", "1",
                    "--out", str(tmp_path / "eval"), "--prefix", prefix])
     out = capsys.readouterr()
     assert rc == 0, out.err
+    rows = _rows(tmp_path / "eval")
+    chunks = [r for r in rows if r["study"] == "chunks"]
+    assert [r["transport"] for r in chunks] == ["tcp stream", "grpc stream", "fedrdma w=1", "fedrdma auto",
+                                                "fedrdma-e w=1", "fedrdma-e auto", "mooncake sync", "mooncake batch"]
+    for r in rows:
+        if r["kind"] == "mooncake" and r["skipped"]:  # the extra is absent: the row says how to install it
+            assert "pip install 'fate-rdma[mooncake]'" in r["skipped"]
+            continue
+        assert r["verified"] and r["median_s"] > 0 and r["bytes"] == 2 << 20 and r["link_bytes"] >= 2 << 20, r
+        assert "scaled rate 50 Mbit/s" in r["note"] and r["measured"]["rtt_median_ms"] >= 9.5, r
+    assert [r["window_used"] for r in chunks if r["window"] == "1"] == [[1], [1]]
+    qps = [r for r in rows if r["study"] == "qps"]
+    assert [(r["kind"], r["qps_per_peer"]) for r in qps] == [("tcp", None), ("channel", 2)]
+    le = [r for r in rows if r["study"] == "link-enable"]
+    assert [(r["window"], r["link_enable"], r["window_used"]) for r in le] == [
+        ("2", x, [2]) for x in ("false", "true", "auto")]
+    assert [(r["window"], r["window_used"]) for r in rows if r["study"] == "window"] == [("2", [2])]
     (run,) = list((tmp_path / "eval").iterdir())
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
-    assert [r["transport"] for r in rows] == ["tcp stream", "grpc stream", "fedrdma w=1", "fedrdma auto",
-                                              "fedrdma-e w=1", "fedrdma-e auto"]
-    assert all(r["verified"] and r["median_s"] > 0 and r["bytes"] == 2 << 20 for r in rows)
-    assert all("scaled rate 50 Mbit/s" in r["note"] for r in rows)
-    assert [r["window_used"] for r in rows if r["window"] == "1"] == [[1], [1]]
+    assert run.name.endswith("-link-chunks+qps+link-enable+window")
     table = (run / "table.md").read_text()
-    assert "| fedrdma-e auto | 64 KiB | 1.05 |" in table and "cannot be reproduced on 2 cores" in table
-    if importlib.util.find_spec("matplotlib"):
-        assert (run / "link_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| fedrdma-e auto | soft (emulated verbs over TCP, not RDMA) | 64 KiB | 1.05 |" in table
+    assert "cannot be reproduced on 2 cores" in table and "Best window for fedrdma-e: **2**" in table
+    assert "Best: qps_per_peer=2" in table and "## study: link-enable" in table
+    for study in ("chunks", "qps", "link_enable", "window"):
+        _png(run / f"link_{study}.png")
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
+
+
+@pytest.mark.timeout(240)
+def test_eval_stress_fairness_quick(can_build: None, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """stress (1 % loss, then a CPU stress) and fairness (3 clients at once), tiny: rows verified, nothing left."""
+    rc = cli_main(["eval", "stress", "--quick", "--losses", "1", "--cpu-burners", "1", "--bytes", str(1 << 20),
+                   "--out", str(tmp_path / "stress"), "--prefix", prefix])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = _rows(tmp_path / "stress")
+    assert [(r["loss_pct"], r["cpu_burners"], r["transport"]) for r in rows] == [
+        (l, b, t) for l, b in ((1.0, 0), (0.0, 1)) for t in ("tcp stream", "fedrdma auto", "fedrdma-e auto")]
+    assert all(r["verified"] and r["transfers_ok"] == r["transfers"] == 1 and r["received_bytes"] == 1 << 20
+               and r["failures"] == [] for r in rows), rows
+    assert "Nothing lost or corrupted" in out.out and "CPU stress (1 busy process in site a)" in out.out
+    (run,) = list((tmp_path / "stress").iterdir())
+    _png(run / "stress.png")
+    assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
+
+    rc = cli_main(["eval", "fairness", "--quick", "--bytes", str(1 << 20), "--out", str(tmp_path / "fair"),
+                   "--prefix", prefix])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = _rows(tmp_path / "fair")
+    clients = [r for r in rows if r["row"] == "client"]
+    assert [(r["transport"], r["client"], r["site"]) for r in clients] == [
+        (t, i, s) for t in ("tcp stream", "fedrdma-e auto") for i, s in ((1, "b"), (2, "c"), (3, "c"))]
+    assert all(r["verified"] and r["received_bytes"] == 1 << 20 and r["median_s"] > 0 for r in clients), clients
+    summary = [r for r in rows if r["row"] == "summary"]
+    assert len(summary) == 2 and all(r["median_gap"] >= 0 and 0 < r["median_jain"] <= 1.0001 for r in summary)
+    assert "clients 2 and 3 share site c" in out.out
+    (run,) = list((tmp_path / "fair").iterdir())
+    _png(run / "fairness.png")
+    assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
+
+
+@pytest.mark.timeout(120)
+def test_eval_cost_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Table 4 on loopback (no root): every method's time, memory and CPU, the paper's figures beside."""
+    rc = cli_main(["eval", "cost", "--quick", "--payload-mib", "4", "--out", str(tmp_path / "cost")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = _rows(tmp_path / "cost")
+    assert [r["method"] for r in rows] == ["tcp stream", "grpc stream", "fedrdma", "fedrdma-e", "mooncake sync"]
+    for r in rows:
+        if r["method"].startswith("mooncake") and r["skipped"]:
+            assert "pip install 'fate-rdma[mooncake]'" in r["skipped"]
+            continue
+        assert r["median_s"] > 0 and r["verified"] and r["extra_rss_bytes"] is not None, r
+        assert r["cpu_send_s"] >= 0 and r["cpu_recv_s"] >= 0 and r["link"] == "loopback", r
+    assert "the paper's Table 4" in out.out and "| FedRDMA-E | 0.025 MB | 6 s |" in out.out
+    (run,) = list((tmp_path / "cost").iterdir())
+    _png(run / "cost.png")
+
+
+def test_eval_usage_errors(capsys: pytest.CaptureFixture) -> None:
+    # rejected before anything is made (no root needed)
+    assert cli_main(["eval", "link", "--study", "speed"]) == 2
+    assert "unknown speed" in capsys.readouterr().err
+    assert cli_main(["eval", "link", "--qps", "0"]) == 2
+    assert cli_main(["eval", "stress", "--losses", "100"]) == 2
+    assert cli_main(["eval", "cost", "--paths", "rdma"]) == 2
+    with pytest.raises(SystemExit) as ex:
+        cli_main(["eval", "link", "--help"])
+    assert ex.value.code == 0
+    assert "link-enable" in capsys.readouterr().out
