@@ -50,3 +50,44 @@ def test_payloads_that_arrived_before_the_failure_are_still_delivered():
     store.put("early", b"x")
     store.fail(RuntimeError("boom"))
     assert store.take("early", 1) == b"x"
+
+
+class OneMessageEndpoint:
+    """Delivers one payload, then nothing (as a quiet channel between rounds)."""
+
+    def __init__(self, msg) -> None:
+        self.msg, self.recvs = msg, 0
+
+    def recv(self, timeout=None):
+        self.recvs += 1
+        msg, self.msg = self.msg, None
+        if msg is None:
+            time.sleep(min(timeout or 0.05, 0.05))
+            raise E.TransferTimeout("nothing yet")
+        return msg
+
+
+def test_the_receive_loop_holds_no_payload_while_it_waits_for_the_next():
+    """Once FATE has taken a payload and let go of it, its reassembly buffer must be free for the next
+    round's payload (recycled memory is already faulted in), not held by the loop's local names."""
+    import sys
+
+    import numpy as np
+
+    from fate_rdma.channel.transfer import Message
+
+    buf = np.zeros(4096, dtype=np.uint8)
+    ep = OneMessageEndpoint(Message("p", 1, {"id": "payload-1"}, memoryview(buf).cast("B"), "fedrdma"))
+    fed = loop_over(ep)
+    rx = threading.Thread(target=fed._receive, daemon=True)
+    rx.start()
+    try:
+        got = fed._store.take("payload-1", timeout_s=10)
+        deadline = time.monotonic() + 5
+        while ep.recvs < 3 and time.monotonic() < deadline:  # the loop is waiting for the next one
+            time.sleep(0.01)
+        del got
+        assert sys.getrefcount(buf) == 2, "something still refers to the delivered payload's buffer"
+    finally:
+        fed._stop = True
+        rx.join(5)

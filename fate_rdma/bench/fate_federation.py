@@ -27,7 +27,7 @@ from .report import emit, human_bytes, median, table
 
 ROLES = ("guest", "host", "arbiter")
 PARTIES = ["guest:9999", "host:10000", "arbiter:10000"]
-TARGET_RATIO = 5.0
+TARGET_RATIO = 8.0
 #: the channel's chunk (the bench's configuration leaves chunk_bytes at its default)
 CHUNK = ChannelConfig().chunk_bytes
 
@@ -202,7 +202,11 @@ def _breakdown(res: Dict[str, Any], rounds: int) -> Optional[Dict[str, Dict[str,
     the waits include waiting for the other parties)."""
     if not res["guest"].get("rdma") or not rounds:
         return None
-    return {r: {k: res[r]["rdma"].get(k, 0.0) / rounds for k in TIMERS} for r in ROLES}
+    out: Dict[str, Dict[str, float]] = {r: {k: res[r]["rdma"].get(k, 0.0) / rounds for k in TIMERS} for r in ROLES}
+    for r in ROLES:  # whole job, not per round: how much of what arrived landed in memory faulted in fresh
+        out[r]["fresh_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("fresh_bytes", 0)
+        out[r]["reused_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("reused_bytes", 0)
+    return out
 
 
 def _cases(args: argparse.Namespace, methods: List[str]) -> List[Tuple[float, int, List[str]]]:
@@ -284,17 +288,19 @@ def run(args: argparse.Namespace) -> int:
             print("  party     " + "".join(f"{k.replace('_seconds', ''):>17}" for k in TIMERS))
             for role, t in r["breakdown"].items():
                 print(f"  {role:<9} " + "".join(f"{t[k]:>17.3f}" for k in TIMERS))
+            print("  received into fresh memory / recycled buffers, whole job: " + ", ".join(
+                f"{role} {human_bytes(t['fresh_recv_bytes'])} / {human_bytes(t['reused_recv_bytes'])}"
+                for role, t in r["breakdown"].items()))
     ok = True
     for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
         by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank and r["path"] in ("-", data_path)}
         if "fate" in by and "fate-rdma" in by:
             ratio = by["fate"]["round_comm_seconds"] / by["fate-rdma"]["round_comm_seconds"]
-            # the 5x target is set for GPT-2's full weights; LoRA ratios are reported as they are
-            verdict = (f"target {TARGET_RATIO:g}x: " + ("met" if ratio >= TARGET_RATIO else "NOT met")) if not rank else "no target"
+            # issue 13's target: 8x at GPT-2 full scale 0.25 and at every LoRA rank of the sweep
+            verdict = f"target {TARGET_RATIO:g}x: " + ("met" if ratio >= TARGET_RATIO else "NOT met")
             emu = " [soft provider: emulated verbs over TCP, not an RDMA figure]" if by["fate-rdma"]["emulated"] else ""
             emit({"bench": "fate", "summary": "ratio", "payload": by["fate"]["payload"], "scale": scale, "path": data_path,
-                  "fate_over_fate_rdma": ratio, "target": None if rank else TARGET_RATIO,
-                  "met": None if rank else ratio >= TARGET_RATIO,
+                  "fate_over_fate_rdma": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO,
                   "emulated": by["fate-rdma"]["emulated"]})
             print(f"{by['fate']['payload']} at scale {scale:g}, fate-rdma path {data_path}: communication per round FATE "
                   f"{by['fate']['round_comm_seconds']:.2f} s, fate-rdma {by['fate-rdma']['round_comm_seconds']:.2f} s: "

@@ -65,6 +65,9 @@ class RecvBuffers:
         self._bufs: List[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0
+        #: bytes handed out in recycled (already faulted-in) memory, and in fresh memory
+        self.reused_bytes = 0
+        self.fresh_bytes = 0
 
     def get(self, n: int) -> np.ndarray:
         with self._lock:
@@ -72,7 +75,9 @@ class RecvBuffers:
                 b = self._bufs[i]
                 if n <= b.nbytes <= 2 * n + (1 << 20) and _unreferenced(b, extra=1):
                     self.reused += 1
+                    self.reused_bytes += n
                     return b[:n]
+            self.fresh_bytes += n
             if n > self.max_bytes:
                 return fresh(n)
             while self._bufs and sum(x.nbytes for x in self._bufs) + n > self.max_bytes:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -142,14 +142,35 @@ def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
         raise IntegrityError(f"fate-rdma: malformed array frame ({view.nbytes} bytes): {exc}") from exc
     limit = view.nbytes - 8 - 8 * count
 
-    class _FrameUnpickler(unpickler_cls):  # type: ignore[misc, valid-type]
-        def persistent_load(self, pid: Any) -> Any:
-            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _PID:
-                return _array(view, offsets, limit, *pid[1:])
-            return super().persistent_load(pid)
+    u = _unpickler(unpickler_cls)(*unpickler_args, io.BytesIO(view[_HDR.size:_HDR.size + hlen]))
+    u.frame = (view, offsets, limit)
+    try:
+        return u.load()
+    finally:
+        u.frame = None
 
-    f = io.BytesIO(view[_HDR.size:_HDR.size + hlen])
-    return _FrameUnpickler(*unpickler_args, f).load()
+
+_UNPICKLERS: Dict[type, type] = {}
+
+
+def _unpickler(base: Any) -> Any:
+    """`base` (FATE's unpickler class) taught to load a frame's arrays; one subclass per base, made once.
+
+    The frame travels on the instance, not in a class made per call: a class is in a reference cycle
+    with itself, so a closure over the frame's buffer kept the whole payload alive until the next
+    garbage collection, and the next round's payload landed in fresh memory instead of that buffer."""
+    cls = _UNPICKLERS.get(base)
+    if cls is None:
+        class _FrameUnpickler(base):  # type: ignore[misc, valid-type]
+            frame: Optional[Tuple[memoryview, np.ndarray, int]] = None
+
+            def persistent_load(self, pid: Any) -> Any:
+                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _PID and self.frame is not None:
+                    return _array(*self.frame, *pid[1:])
+                return super().persistent_load(pid)
+
+        cls = _UNPICKLERS[base] = _FrameUnpickler
+    return cls
 
 
 def _array(view: memoryview, offsets: np.ndarray, limit: int, idx: int, dtype: str, shape: Tuple[int, ...],

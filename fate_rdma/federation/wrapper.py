@@ -112,6 +112,9 @@ class RdmaFederation:
                 else:
                     log.warning("fate-rdma: dropped transfer %d from %s: its metadata carries no payload id",
                                 msg.transfer_id, msg.peer)
+                # not held while this loop waits for the next one: a payload FATE has let go of is then
+                # unreferenced, and its reassembly buffer is recycled for the next (already faulted-in)
+                del msg, data
         except BaseException as exc:  # every waiting get() learns why at once, instead of timing out
             if not self._stop:
                 log.error("fate-rdma: receive loop of %s failed; pending and later gets fail: %r",
