@@ -278,3 +278,43 @@ def test_three_party_job_bitwise_identical_with_and_without_fate_rdma(tmp_path):
         assert plain[role]["rdma"] is None
         assert rdma[role]["rdma"]["rdma_transfers"] >= 2 and rdma[role]["rdma"]["fate_fallbacks"] == 0
     assert plain["guest"]["sha256"] == plain["host"]["sha256"]  # both clients end on the same average
+
+
+def test_buffered_put_sends_what_was_put_though_the_caller_changes_it_at_once(guest):
+    """A put of arrays returns while its bytes are still under way (puts to several parties in turn
+    overlap); it sends a copy, so changing the arrays right after put, as FATE's own pickling allows,
+    changes nothing on the wire."""
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s8")
+    big = [np.random.default_rng(3).standard_normal(1_000_000), np.arange(10)]
+    want = sha(big)
+    ctx.hosts[0].put("w", big)
+    big[0][:] = 0.0
+    res = host_result(host)
+    assert res.get("error") is None and res["w"] == want
+    assert fed.fate_rdma.stats["buffered_puts"] == 1 and fed.fate_rdma.flush(10)
+    assert fed.fate_rdma._inflight_bytes == 0
+
+
+def test_put_buffer_off_waits_for_delivery(guest):
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps, put_buffer_bytes=0), section(eps), "s9")
+    big = [np.random.default_rng(4).standard_normal(600_000)]
+    ctx.hosts[0].put("w", big)
+    assert fed.fate_rdma.stats["buffered_puts"] == 0 and not fed.fate_rdma._inflight
+    assert host_result(host)["w"] == sha(big)
+
+
+def test_a_buffered_put_that_fails_later_is_raised_by_the_next_call(guest, caplog):
+    """The receiver refuses the payload after the put returned: the error is logged at once, this
+    party's next put raises it naming the put, and the receiver's get fails at its deadline."""
+    eps = endpoints()
+    small_rx = section(eps, mode="fedrdma", max_payload_bytes=1 << 20, pull_timeout_s=3)
+    ctx, fed, host = guest(section(eps, mode="fedrdma"), small_rx, "s10")
+    ctx.hosts[0].put("w", [np.ones(400_000)])  # 3.2 MB: over the host's max_payload_bytes
+    assert fed.fate_rdma.flush(20)
+    with pytest.raises(E.PeerUnreachable, match="buffered put of 'w'.*failed after it returned"):
+        ctx.hosts[0].put("w2", [np.ones(10)])
+    assert "failed after it returned" in caplog.text
+    res = host_result(host)
+    assert "did not arrive" in (res.get("error") or ""), res

@@ -6,6 +6,8 @@
       threshold_bytes: 1048576   # pickles at or above this go over the channel (default 1 MiB)
       fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path, logged once)
       pull_timeout_s: 600        # how long a get() waits for the payload after its descriptor arrived
+      put_buffer_bytes: 1073741824  # a put of arrays copies them (as FATE's pickling does) and returns at once,
+                                 # while its bytes go in the background, up to this many bytes in flight; 0: off
       endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
         guest:9999: 10.0.0.1:18600
         host:10000: 10.0.0.2:18600
@@ -21,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 from ..config import ChannelConfig
 from ..errors import ConfigError
 
-FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "endpoints", "listen_host"}
+FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "put_buffer_bytes", "endpoints", "listen_host"}
 
 
 def party_key(party: Tuple[str, str]) -> str:
@@ -36,6 +38,11 @@ class RdmaFederationConfig:
     threshold_bytes: int = 1 << 20
     fallback: str = "error"
     pull_timeout_s: float = 600.0
+    #: buffered puts (MPI_Bsend's idea): a put copies its arrays into a recycled buffer, pushes its
+    #: descriptor and returns, and the bytes go in the background, so puts to several parties in turn
+    #: (FATE's SecureAggregatorServer) overlap; at most this many bytes in flight, 0 = every put waits
+    #: until its bytes have arrived
+    put_buffer_bytes: int = 1 << 30
     #: interface this party's endpoint binds (default: the host of its own endpoints entry)
     listen_host: Optional[str] = None
     channel: ChannelConfig = ChannelConfig()
@@ -45,6 +52,8 @@ class RdmaFederationConfig:
             raise ConfigError(f"fate_rdma.fallback must be 'error' or 'fate', got {self.fallback!r}")
         if self.threshold_bytes < 1:
             raise ConfigError("fate_rdma.threshold_bytes must be positive")
+        if isinstance(self.put_buffer_bytes, bool) or not isinstance(self.put_buffer_bytes, int) or self.put_buffer_bytes < 0:
+            raise ConfigError(f"fate_rdma.put_buffer_bytes must be a byte count >= 0, got {self.put_buffer_bytes!r}")
         if self.pull_timeout_s <= 0:
             raise ConfigError("fate_rdma.pull_timeout_s must be positive")
         if not isinstance(self.endpoints, dict) or not self.endpoints:

@@ -9,6 +9,7 @@ FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic canno
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -19,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import crc32c
 
 from ..channel import Endpoint
+from ..channel.buffers import RecvBuffers, copy_into
 from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable, TransferTimeout
 from . import frames
 from .config import RdmaFederationConfig, party_key
@@ -85,7 +87,13 @@ class RdmaFederation:
         self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0,
                       # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
-                      "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0}
+                      "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
+                      "buffered_puts": 0, "put_copy_seconds": 0.0}
+        self._put_copies = RecvBuffers(cfg.put_buffer_bytes)  # recycled as reassembly buffers are
+        self._inflight: set = set()
+        self._inflight_bytes = 0
+        self._inflight_lock = threading.Lock()
+        self._deferred: Optional[BaseException] = None
         self._stop = False
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
@@ -131,6 +139,7 @@ class RdmaFederation:
             self.stats["frame_seconds"] += time.perf_counter() - t0
 
     def _push_bytes(self, v: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
+        self._raise_deferred()
         framed = isinstance(v, frames.OutFrame)
         if not framed and len(v) < self.threshold:
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
@@ -141,6 +150,7 @@ class RdmaFederation:
             crc = 0
             for b in bufs:
                 crc = crc32c.crc32c(b, crc)
+        held = self._buffered(bufs, len(v), framed)
         sends: List[Tuple[Tuple[str, str], str, Any]] = []
         for p in parties:
             key = uuid.uuid4().hex
@@ -148,19 +158,21 @@ class RdmaFederation:
                   "src": party_key(self.local), "dst": party_key(p)}
             try:
                 addr = self.cfg.address_of(tuple(p))
-                sends.append((tuple(p), key, self.endpoint.send(addr, bufs, md)))
+                sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md)))
             except (PeerUnreachable, ConfigError) as exc:
                 sends.append((tuple(p), key, exc))
+        if held is not None:
+            self._track(held, [f for _, _, f in sends if not isinstance(f, BaseException)], len(v), name)
         for p, key, fut in sends:
             err: Optional[BaseException] = fut if isinstance(fut, BaseException) else None
-            if err is None:
+            if err is None and held is None:
                 t1 = time.perf_counter()
                 try:
                     fut.result(self.cfg.channel.transfer_timeout_s)
                 except FateRdmaError as exc:
                     err = exc
                 self.stats["send_seconds"] += time.perf_counter() - t1
-            if err is None:
+            if err is None:  # delivered, or (buffered) under way: the receiver's get waits for it
                 desc = {"id": key, "length": len(v), "crc32c": crc, "src": party_key(self.local),
                         "endpoint": self.endpoint.name, "session": self.fed.session_id, "frame": framed}
                 t1 = time.perf_counter()
@@ -178,6 +190,75 @@ class RdmaFederation:
                 raise PeerUnreachable(f"fate-rdma: cannot send {name!r} to party {party_key(p)} at "
                                       f"{self.cfg.endpoints.get(party_key(p), '?')}: {err}") from err
         self.stats["rdma_seconds"] += time.perf_counter() - t0
+
+    # -- buffered puts --------------------------------------------------------------------------
+    def _buffered(self, bufs: List[Any], nbytes: int, framed: bool) -> Optional[List[Any]]:
+        """What a buffered put sends: `bufs` themselves when they cannot change (bytes), else one copy of
+        them (a frame's arrays belong to the caller, who may change them once put returns, as FATE's own
+        pickling allows). None: no room under put_buffer_bytes, this put waits for its bytes to arrive."""
+        limit = self.cfg.put_buffer_bytes
+        with self._inflight_lock:
+            if not limit or self._inflight_bytes + nbytes > limit:
+                return None
+            self._inflight_bytes += nbytes
+        if not framed and isinstance(bufs[0], bytes):
+            return list(bufs)
+        t0 = time.perf_counter()
+        try:
+            copy = self._put_copies.get(nbytes)
+            at = 0
+            for b in bufs:
+                view = memoryview(b).cast("B")
+                copy_into(copy, at, view)  # without the GIL
+                at += view.nbytes
+        except BaseException:
+            with self._inflight_lock:
+                self._inflight_bytes -= nbytes
+            raise
+        self.stats["put_copy_seconds"] += time.perf_counter() - t0
+        self.stats["buffered_puts"] += 1
+        return [copy]
+
+    def _track(self, held: List[Any], futs: List[Any], nbytes: int, name: str) -> None:
+        """Keep `held` until every send of one buffered put is over; then its room is free again. A send
+        that failed is logged at once and raised by this party's next put or get (and reported at close)."""
+        left = [len(futs)]
+
+        def done(fut: Any) -> None:
+            exc = fut.exception() if not fut.cancelled() else FateRdmaError("cancelled")
+            if exc is not None:
+                err = PeerUnreachable(f"fate-rdma: a buffered put of {name!r} (transfer {fut.transfer_id}) failed after "
+                                      f"it returned: {exc}")
+                log.error("%s; this party's next put or get raises it, the receiver's get fails after its "
+                          "pull_timeout_s", err)
+                self._deferred = self._deferred or err
+            with self._inflight_lock:
+                self._inflight.discard(fut)
+                left[0] -= 1
+                if left[0] <= 0:
+                    self._inflight_bytes -= nbytes
+                    held.clear()  # the copy goes back to the recycled buffers once nothing else holds it
+
+        with self._inflight_lock:
+            self._inflight.update(futs)
+            if not futs:
+                self._inflight_bytes -= nbytes
+                held.clear()
+        for f in futs:
+            f.add_done_callback(done)
+
+    def _raise_deferred(self) -> None:
+        if self._deferred is not None:
+            raise self._deferred
+
+    def flush(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every buffered put has arrived (or failed); False if some are still under way."""
+        with self._inflight_lock:
+            futs = list(self._inflight)
+        if not futs:
+            return True
+        _, pending = concurrent.futures.wait(futs, timeout=self.cfg.channel.transfer_timeout_s if timeout_s is None else timeout_s)
+        return not pending
 
     def _fate_bytes(self, value: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> bytes:
         """What FATE's own serializer makes of `value` (a frame that must take FATE's path after all)."""
@@ -213,6 +294,7 @@ class RdmaFederation:
 
     # -- pull -----------------------------------------------------------------------------------
     def _pull_bytes(self, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[bytes]:
+        self._raise_deferred()
         t0 = time.perf_counter()
         got = self._orig_pull(name=name, tag=tag, parties=parties)
         self.stats["descriptor_wait_seconds"] += time.perf_counter() - t0
@@ -253,6 +335,11 @@ class RdmaFederation:
 
     def close(self) -> None:
         if not self._stop:
+            if not self.flush():
+                log.error("fate-rdma: %s closes with buffered puts still under way after %g s; their receivers' "
+                          "gets will fail", party_key(self.local), self.cfg.channel.transfer_timeout_s)
+            if self._deferred is not None:
+                log.error("fate-rdma: %s: %s", party_key(self.local), self._deferred)
             self._stop = True
             self._fallback_tables.clear()
             self.endpoint.close()
