@@ -40,6 +40,20 @@ def test_ring_takes_the_best_fitting_free_slot():
     assert r.acquire() == 2 and r.acquire() == 0 and r.acquire() is None  # ring order without a size
 
 
+def test_ring_can_wait_for_a_slot_in_use_that_has_room():
+    """Back-to-back transfers of one size: the next waits for the slot the last one used (its memory is
+    faulted in) instead of growing the other, when the caller asks; without room anywhere it grows."""
+    r = P.SlotRing(2, [5000, 100], MAX)
+    assert r.acquire(4000) == 0
+    assert r.acquire(4000, wait_for_room=True) is None  # slot 0 has room and comes back
+    assert r.acquire(4000) == 1  # the caller stopped waiting: slot 1 grows
+    r.credit(0)
+    assert r.acquire(4000, wait_for_room=True) == 0
+    assert r.acquire(9000, wait_for_room=True) is None  # no free slot at all
+    r.credit(0)
+    assert r.acquire(9000, wait_for_room=True) == 0  # none has room: the largest free grows
+
+
 def test_ring_grows_a_slot_before_writing():
     r = ring()
     s = r.acquire()

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fate_rdma.channel")
 
+#: how long a transfer waits for a slot in use that has room, per GiB of payload, before it grows a
+#: free slot instead (about what faulting that much fresh memory in costs on a small VM)
+ROOM_WAIT_S_PER_GIB = 0.5
+
 
 class SlotSender:
     """Posts FedRDMA-E transfers into the peer's receive slots and follows them to the peer's verdict."""
@@ -58,7 +62,13 @@ class SlotSender:
     def machine(self, o: "Outgoing", window: int, common: Dict[str, float]) -> Optional[P.FedRdmaESender]:
         """A machine for `o` in the next free slot, or None while no slot is free (wait for CREDIT). A
         payload larger than the slot's grant asks the peer for room first (GROW): the machine waits."""
-        slot = self.ring.acquire(o.payload.total)
+        now = common["now"]
+        if o.first_try is None:
+            o.first_try = now
+        # a slot in use that has room comes back within a release and a CREDIT; growing another slot
+        # instead faults that much fresh memory in (~0.3-1 s/GB): wait up to about what that would cost
+        wait = now - o.first_try < ROOM_WAIT_S_PER_GIB * o.payload.total / (1 << 30)
+        slot = self.ring.acquire(o.payload.total, wait_for_room=wait)
         if slot is None:
             return None
         o.slot = slot

@@ -37,6 +37,7 @@ class Outgoing:
         self.mode: Optional[Mode] = None
         self.machine: Any = None
         self.slot: Optional[int] = None
+        self.first_try: Optional[float] = None  # when it first asked for a FedRDMA-E slot
         self.pending_wrs = 0
         self.error: Optional[BaseException] = None
         self.started = 0.0

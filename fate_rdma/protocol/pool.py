@@ -118,16 +118,21 @@ class SlotRing:
             raise RemoteProtocolError(f"{kind} for slot {slot}, the peer has {self.nslots} (field 'value')")
         return slot
 
-    def acquire(self, total: Optional[int] = None) -> Optional[int]:
+    def acquire(self, total: Optional[int] = None, wait_for_room: bool = False) -> Optional[int]:
         """A free slot for a `total`-byte payload, or None: wait for a CREDIT. Best fit: the smallest
         free slot with room, else the largest free one (it grows least); ties, and `total` None, go in
         ring order from the slot after the last one taken. So a slot grown for the last round's model
-        takes the next one while the other slots stay small."""
+        takes the next one while the other slots stay small. `wait_for_room`: when no free slot has
+        room but a slot in use does, None (wait for that one's CREDIT) instead of growing another: its
+        memory is faulted in already, a grown slot's is not (the caller bounds the wait)."""
         order = [(self._next + i) % self.nslots for i in range(self.nslots)]
         free = [s for s in order if self.state[s] is SlotState.FREE]
         if not free:
             return None
         fits = [s for s in free if total is None or self.capacity[s] >= total]
+        if not fits and wait_for_room and total is not None and any(
+                self.capacity[s] >= total for s in range(self.nslots) if self.state[s] is not SlotState.FREE):
+            return None
         s = min(fits, key=lambda k: self.capacity[k]) if total is not None and fits else \
             free[0] if total is None else max(free, key=lambda k: self.capacity[k])
         self._move(s, SlotEvent.ACQUIRE)
