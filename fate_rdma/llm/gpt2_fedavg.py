@@ -7,7 +7,11 @@ The job code knows nothing of fate-rdma: started with `fate-rdma launch --conf F
 FATE_RDMA_CONF set, or a task conf holding a `fate_rdma` section) its weights cross over the channel,
 otherwise over FATE's own federation. Each party writes `<out>/<role>.json`: the sha256 of the final
 trainable weights (clients), communication seconds per round (time spent in FedAvg's aggregation
-call: push, the other parties, the arbiter's sum, the pull), payload sizes and fate-rdma counters.
+call: push, the other parties, the arbiter's sum, the pull), and at the clients per round the
+computation seconds (from the round's start to its aggregation call: the local optimizer steps), the
+round's wall seconds and the training loss (transformers' Trainer log with logging_strategy "epoch":
+the mean loss over the round's local steps, before the average is applied); payload sizes, peak RSS
+and fate-rdma counters. `fate-rdma sweep lora` runs this job once per LoRA rank.
 """
 # (no `from __future__ import annotations`: FATE's argument parser reads the dataclass field types)
 import hashlib
@@ -32,6 +36,8 @@ class JobArgs:
     lr: float = field(default=5e-4)
     seed: int = field(default=0)
     threads: int = field(default=1, metadata={"help": "torch CPU threads per party"})
+    device: str = field(default="cpu", metadata={"help": "cpu, or cuda: transformers' Trainer (under FATE-LLM's "
+                                                          "Seq2SeqTrainingArguments) then trains on cuda:0"})
     out: str = field(default="gpt2_fedavg_out", metadata={"help": "folder for <role>.json results"})
 
 
@@ -76,6 +82,12 @@ def _write(args: JobArgs, role: str, record: dict) -> None:
         json.dump(record, f, indent=1)
 
 
+#: what FATE's secure aggregation moves per trainable parameter and round, per client: the mixed
+#: float64 weights up (2 x 8 bytes a parameter; the channel's byte counts agree), the float64 average down
+SECAGG_UP_BYTES_PER_PARAM = 16
+SECAGG_DOWN_BYTES_PER_PARAM = 8
+
+
 def _rdma_record(ctx) -> dict:
     rdma = getattr(ctx.federation, "fate_rdma", None)
     if rdma is None:
@@ -112,13 +124,46 @@ def _run_server(ctx, args: JobArgs) -> None:
     _write(args, "arbiter", {"role": "arbiter", "comm_seconds": comm, "peak_rss_bytes": _peak_rss(), **_rdma_record(ctx)})
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+
+
+def _round_clock():
+    """A Trainer callback that notes when each round (= epoch: aggregate_strategy "epoch") begins and when
+    training ends; it only reads the clock."""
+    from transformers import TrainerCallback
+
+    class RoundClock(TrainerCallback):
+        def __init__(self):
+            self.begins, self.end = [], None
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            self.begins.append(time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.end = time.perf_counter()
+
+        def round_seconds(self):
+            ends = self.begins[1:] + ([self.end] if self.end is not None else [])
+            return [b - a for a, b in zip(self.begins, ends)]
+
+    return RoundClock()
+
+
 def _run_client(ctx, args: JobArgs, role: str) -> None:
+    import torch
     from fate.ml.nn.homo.fedavg import FedAVGArguments
     from fate_llm.algo.fedavg.fedavg import Seq2SeqFedAVGClient
     from fate_llm.trainer.seq2seq_trainer import Seq2SeqTrainingArguments
 
     from . import corpus
 
+    _check_device(args.device)
     tok = corpus.tokenizer()
     n = args.steps_per_round * args.batch_size
     pairs = corpus.examples(n, seed=args.seed * 1000 + (1 if role == "guest" else 2))
@@ -126,28 +171,41 @@ def _run_client(ctx, args: JobArgs, role: str) -> None:
     model = build_model(args, len(tok))
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in trainable)
-    comm = []
+    comm, compute = [], []
+    clock = _round_clock()
+    on_cuda = args.device == "cuda"
 
     class TimedClient(Seq2SeqFedAVGClient):
         def on_federation(self, ctx, aggregator, fed_args, args, model=None, **kw):
+            if on_cuda:
+                torch.cuda.synchronize()  # the round's kernels count as computation, not as the upload
             t0 = time.perf_counter()
+            compute.append(t0 - clock.begins[-1] if clock.begins else float("nan"))
             super().on_federation(ctx, aggregator, fed_args, args, model=model, **kw)
             comm.append(time.perf_counter() - t0)
 
     targs = Seq2SeqTrainingArguments(
         output_dir=os.path.join(args.out, f"{role}_trainer"), per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.rounds, learning_rate=args.lr, seed=args.seed, data_seed=args.seed, use_cpu=True,
-        log_level="error", logging_strategy="epoch", report_to=[], dataloader_num_workers=0)
+        num_train_epochs=args.rounds, learning_rate=args.lr, seed=args.seed, data_seed=args.seed,
+        use_cpu=args.device == "cpu", log_level="error", logging_strategy="epoch", report_to=[],
+        dataloader_num_workers=0)
     fed_args = FedAVGArguments(aggregate_strategy="epoch", aggregate_freq=1)
     t0 = time.perf_counter()
     trainer = TimedClient(ctx=ctx, model=model, training_args=targs, fed_args=fed_args, train_set=train,
                           tokenizer=tok, data_collator=None)
+    trainer.add_callback(clock)  # FATE-LLM's client drops a `callbacks=` argument
     trainer.train()
     record = {
         "role": role, "model": args.model, "lora_rank": args.lora_rank, "rounds": args.rounds,
+        "steps_per_round": args.steps_per_round, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "device": str(targs.device), "device_name": torch.cuda.get_device_name(0) if on_cuda else "cpu",
         "trainable_params": n_params, "tensors": len(trainable),
         # what FedAvg's secure aggregation puts per round: float64 arrays, mixed (see DESIGN.md)
-        "float64_bytes": n_params * 8, "sha256": trainable_digest(model), "comm_seconds": comm,
+        "float64_bytes": n_params * 8, "up_bytes": n_params * SECAGG_UP_BYTES_PER_PARAM,
+        "down_bytes": n_params * SECAGG_DOWN_BYTES_PER_PARAM, "sha256": trainable_digest(model),
+        "comm_seconds": comm, "compute_seconds": compute, "round_seconds": clock.round_seconds(),
+        # the Trainer's per-epoch log: mean training loss over the round's local steps
+        "train_loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "job_seconds": time.perf_counter() - t0, "peak_rss_bytes": _peak_rss(), **_rdma_record(ctx),
     }
     _write(args, role, record)

@@ -1,0 +1,526 @@
+"""`fate-rdma sweep lora`: GPT-2 LoRA FedAvg with training at each LoRA rank (gpt2_fedavg.py, one job a
+rank), through fate-rdma and optionally through FATE's own federation; rows, a table and a plot, and
+a results folder that a later run can resume. See fate_rdma/cli/sweep.py for the user's view.
+
+Figures per round, from the parties' records (gpt2_fedavg.py):
+- loss: each client's training loss, the mean over the round's local steps before the average.
+- compute: from the round's start to the client's aggregation call (its local steps); the round's
+  compute is the slower client's.
+- comm: time in FedAvg's aggregation call. The client that reaches it first also waits there for the
+  other's steps, so the round's communication is the other one's: the smaller of the two, which is
+  upload, the arbiter's sum and download with no one left to wait for.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from statistics import median
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from ..errors import ConfigError
+
+DEFAULT_RANKS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+ROLES = ("guest", "host", "arbiter")
+PARTIES = ("guest:9999", "host:10000", "arbiter:10000")
+LINK = "loopback, one host (guest, host and arbiter on this machine)"
+LOSS_KIND = ("training loss of each client: mean over the round's local steps (Trainer log, logging_strategy "
+             "epoch), before the round's average is applied")
+EMULATION = "soft provider = emulation (verbs over TCP), not RDMA"
+#: the gpt2_lora_fedavg example's fate_rdma settings (examples/gpt2_lora_fedavg/fate_rdma.yaml), except the
+#: threshold: 16 KiB sends every model-sized payload over the channel, even the tiny model's (FATE's
+#: small control messages stay on its own path)
+DEFAULT_SECTION: Dict[str, Any] = {
+    "enabled": True, "mode": "fedrdma-e", "pool_slots": 2, "slot_bytes": 128 << 20, "too_large": "fedrdma",
+    "chunk_bytes": 4 << 20, "window": "auto", "threshold_bytes": 16 << 10, "fallback": "error", "same_host": False,
+}
+#: the fate-rdma wrapper's timers (fate_rdma/federation/wrapper.py), in the order a round meets them
+RDMA_TIMERS = ("frame_seconds", "send_seconds", "descriptor_push_seconds", "descriptor_wait_seconds",
+               "payload_wait_seconds")
+JOB_SCRIPT = "from fate_rdma.llm.gpt2_fedavg import main\n\nif __name__ == '__main__':\n    main()\n"
+LOG_TAIL_CHARS = 1500
+
+
+class SweepError(ConfigError):
+    """The sweep cannot start as asked (bad options, a folder that does not fit): the caller's fault."""
+
+
+@dataclass
+class Settings:
+    """What defines a sweep's figures; kept in OUT/sweep.json so that --resume runs the same."""
+    ranks: List[int] = field(default_factory=lambda: list(DEFAULT_RANKS))
+    model: str = "gpt2"
+    rounds: int = 3
+    steps_per_round: int = 2
+    batch_size: int = 2
+    seq_len: int = 48
+    device: str = "cpu"
+    threads: int = 1
+    provider: str = "auto"
+    also_fate: bool = False
+    section: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SECTION))
+
+    def transports(self) -> List[str]:
+        return ["fate-rdma"] + (["fate"] if self.also_fate else [])
+
+
+#: settings that a resumed sweep must keep (its rows would not compare otherwise)
+FIXED = ("model", "rounds", "steps_per_round", "batch_size", "seq_len", "device", "threads", "provider", "section")
+
+
+def parse_ranks(text: str) -> List[int]:
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SweepError(f"--ranks wants a comma list of integers, got {text!r}") from None
+    if not ranks or min(ranks) < 1:
+        raise SweepError(f"--ranks wants positive LoRA ranks, got {text!r}")
+    return ranks
+
+
+def free_endpoints() -> Dict[str, str]:
+    socks = [socket.socket() for _ in PARTIES]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return {p: f"127.0.0.1:{s.getsockname()[1]}" for p, s in zip(PARTIES, socks)}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError):
+        mem = ""
+    return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}"
+
+
+def utc_stamp(micro: bool = False) -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S" + (".%f" if micro else "") + "Z")
+
+
+# ---- the results folder ------------------------------------------------------------------------------
+
+def read_rows(folder: str) -> List[Dict[str, Any]]:
+    path = os.path.join(folder, "results.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut short by a killed sweep: the rank is re-run
+                    print(f"sweep: {path}:{n} is not JSON (ignored)", file=sys.stderr)
+    return rows
+
+
+def append_rows(folder: str, rows: Iterable[Dict[str, Any]]) -> None:
+    with open(os.path.join(folder, "results.jsonl"), "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def latest_runs(rows: Sequence[Dict[str, Any]]) -> Dict[tuple, List[Dict[str, Any]]]:
+    """Per (rank, transport): the rows of its last job, complete or failed."""
+    last: Dict[tuple, str] = {}
+    for r in rows:
+        last[(r["rank"], r["transport"])] = r["run_id"]
+    return {k: [r for r in rows if (r["rank"], r["transport"]) == k and r["run_id"] == run_id]
+            for k, run_id in last.items()}
+
+
+def complete(rows: Sequence[Dict[str, Any]], rounds: int) -> set:
+    """(rank, transport) pairs whose last job recorded every round."""
+    return {k for k, rs in latest_runs(rows).items()
+            if sorted(r["round"] for r in rs if r["status"] == "ok") == list(range(1, rounds + 1))}
+
+
+# ---- one job ----------------------------------------------------------------------------------------
+
+#: (layers, width) of the two models; peft LoRA on c_attn adds lora_A (r x d) and lora_B (3d x r) a layer
+MODEL_SHAPES = {"gpt2": (12, 768), "tiny": (2, 128)}
+#: peak RSS of one party before its payloads, measured here with rank 4 (the client trains GPT-2 124M)
+BASE_RSS_BYTES = {"gpt2": int(1.7 * 2**30), "tiny": int(0.9 * 2**30)}
+
+
+def lora_params(model: str, rank: int) -> int:
+    layers, d = MODEL_SHAPES[model]
+    return layers * 4 * d * rank
+
+
+def fate_path_fits(model: str, rank: int) -> Optional[str]:
+    """None, or why FATE's own path would not fit in this machine's free memory: it peaks near
+    FATE_MEM_PER_UPLOAD_BYTE per byte of one client's upload across the three parties (bench fate)."""
+    from ..bench.fate_federation import FATE_MEM_PER_UPLOAD_BYTE, _available_bytes
+
+    need = FATE_MEM_PER_UPLOAD_BYTE * 16 * lora_params(model, rank) + 3 * BASE_RSS_BYTES[model]
+    have = _available_bytes() * 0.85  # leave room for whatever else runs here
+    if need <= have:
+        return None
+    return (f"not run: FATE's own path needs about {need / 2**30:.1f} GiB for this rank, "
+            f"{have / 2**30:.1f} GiB is free here (85 % of MemAvailable)")
+
+
+def job_command(s: Settings, rank: int, transport: str, job_dir: str, script: str, fail: bool) -> List[str]:
+    cmd = [sys.executable]
+    if transport == "fate-rdma":
+        conf = os.path.join(job_dir, "fate_rdma.json")
+        with open(conf, "w") as f:
+            json.dump({"fate_rdma": {**s.section, "provider": s.provider, "endpoints": free_endpoints()}}, f, indent=1)
+        cmd += ["-m", "fate_rdma.cli", "launch", "--conf", conf]
+    cmd += [script, "--parties", *PARTIES, "--log_level", "WARNING", "--model", s.model, "--lora_rank", str(rank),
+            "--rounds", "x" if fail else str(s.rounds), "--steps_per_round", str(s.steps_per_round),
+            "--batch_size", str(s.batch_size), "--seq_len", str(s.seq_len), "--threads", str(s.threads),
+            "--device", s.device, "--out", job_dir]
+    return cmd
+
+
+def run_job(cmd: List[str], cwd: str, log_path: str, timeout_s: float) -> Dict[str, Any]:
+    """Run one launcher job in its own process group, output to `log_path`; the whole group is killed
+    when it overruns or the sweep is interrupted (the launcher's parties would outlive it otherwise)."""
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        # FATE_RDMA_CONF would switch fate-rdma on in a job meant for FATE's own federation; launch sets it
+        env = {k: v for k, v in os.environ.items() if k != "FATE_RDMA_CONF"}
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:
+            _kill_group(p)
+            raise
+        if timed_out:
+            _kill_group(p)
+    return {"returncode": p.returncode, "timed_out": timed_out, "seconds": time.monotonic() - t0}
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def log_tail(path: str, chars: int = LOG_TAIL_CHARS) -> tuple:
+    """(the log line that most likely says what went wrong, the log's last `chars` characters)."""
+    try:
+        with open(path, errors="replace") as f:
+            raw = f.read().splitlines()[1:]  # not the command line
+    except OSError:
+        return "", ""
+    lines, skip = [], False
+    for line in raw:
+        if skip and line.startswith(" "):  # the source line Python's warnings print under a warning
+            continue
+        skip = bool(re.search(r"\w+Warning: ", line))
+        if skip or line.startswith("{'"):  # warnings, and the Trainer's loss logs
+            continue
+        line = line.strip(" │╭╰╮╯─")  # rich's traceback panels lose their frames
+        if line:
+            lines.append(line)
+    said = [line for line in lines if "Error" in line or "error:" in line or "Exception" in line]
+    return (said or lines or [""])[-1][:300], "\n".join(lines)[-chars:]
+
+
+def round_rows(res: Dict[str, Dict[str, Any]], common: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per round from the three parties' records."""
+    g, h, a = res["guest"], res["host"], res["arbiter"]
+    rounds = len(g["comm_seconds"])
+    rdma = g.get("rdma")
+    rows = []
+    for i in range(rounds):
+        comm = (g["comm_seconds"][i], h["comm_seconds"][i])
+        compute = (g["compute_seconds"][i], h["compute_seconds"][i])
+        loss = (g["train_loss"][i] if i < len(g["train_loss"]) else None,
+                h["train_loss"][i] if i < len(h["train_loss"]) else None)
+        rows.append({
+            **common, "status": "ok", "round": i + 1, "rounds": rounds,
+            "trainable_params": g["trainable_params"], "up_bytes": g["up_bytes"], "down_bytes": g["down_bytes"],
+            # bytes that crossed the channel, per client and round (pickled, so a little over up_bytes)
+            "channel_up_bytes": round(rdma["rdma_bytes"] / rounds) if rdma else None,
+            "channel_down_bytes": round(a["rdma"]["rdma_bytes"] / rounds / 2) if a.get("rdma") else None,
+            "loss_guest": loss[0], "loss_host": loss[1],
+            "loss": (loss[0] + loss[1]) / 2 if None not in loss else None,
+            "comm_seconds_guest": comm[0], "comm_seconds_host": comm[1], "comm_seconds": min(comm),
+            "compute_seconds_guest": compute[0], "compute_seconds_host": compute[1], "compute_seconds": max(compute),
+            "round_seconds": max(g["round_seconds"][i], h["round_seconds"][i]) if i < len(g["round_seconds"]) else None,
+            "peak_rss_bytes": {r: res[r]["peak_rss_bytes"] for r in ROLES},
+            # where fate-rdma's puts and gets went, per party (the job's totals / rounds; waits include the others)
+            "rdma_timers": ({r: {k: res[r]["rdma"].get(k, 0.0) / rounds for k in RDMA_TIMERS} for r in ROLES}
+                            if rdma else None),
+            "provider": g["label"], "emulated": "emulated" in g["label"], "device": g["device"],
+            "device_name": g.get("device_name"), "clients_same_weights": g["sha256"] == h["sha256"],
+        })
+    return rows
+
+
+def run_rank(s: Settings, folder: str, rank: int, transport: str, timeout_s: float, fail: bool) -> List[Dict[str, Any]]:
+    folder = os.path.abspath(folder)  # the job runs in its own folder
+    job_dir = os.path.join(folder, f"rank-{rank:04d}", transport)
+    os.makedirs(job_dir, exist_ok=True)
+    for role in ROLES:  # a retried rank must not read the failed try's records
+        try:
+            os.remove(os.path.join(job_dir, f"{role}.json"))
+        except FileNotFoundError:
+            pass
+    common = {"sweep": "lora", "rank": rank, "transport": transport, "run_id": utc_stamp(micro=True), "model": s.model,
+              "steps_per_round": s.steps_per_round, "batch_size": s.batch_size, "seq_len": s.seq_len,
+              "threads": s.threads, "machine": machine(), "link": LINK, "loss_kind": LOSS_KIND,
+              "mode": s.section.get("mode") if transport == "fate-rdma" else "fate standalone federation",
+              "loadavg_1m": round(os.getloadavg()[0], 2)}
+    log_path = os.path.join(job_dir, "job.log")
+    too_big = fate_path_fits(s.model, rank) if transport == "fate" else None
+    if too_big:
+        return [{**common, "status": "failed", "round": None, "error": too_big, "log": None, "provider": None}]
+    cmd = job_command(s, rank, transport, job_dir, os.path.join(folder, "job.py"), fail)
+    outcome = run_job(cmd, job_dir, log_path, timeout_s)
+    common["job_seconds"] = round(outcome["seconds"], 1)
+    res = {}
+    for role in ROLES:
+        path = os.path.join(job_dir, f"{role}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                res[role] = json.load(f)
+    error = None
+    if outcome["timed_out"]:
+        error = f"the job overran --timeout-s {timeout_s:g} and was stopped"
+    elif outcome["returncode"] != 0:
+        error = f"the job exited with status {outcome['returncode']} after {outcome['seconds']:.0f} s"
+    elif len(res) != len(ROLES):
+        error = f"the job ended without the records of {', '.join(r for r in ROLES if r not in res)}"
+    else:
+        try:
+            rows = round_rows(res, common)
+        except (KeyError, IndexError, TypeError) as exc:
+            error = f"the parties' records are incomplete: {type(exc).__name__}: {exc}"
+        else:
+            if len(rows) != s.rounds or not rows[0]["clients_same_weights"]:
+                error = (f"{len(rows)} rounds recorded, {s.rounds} asked" if len(rows) != s.rounds
+                         else "guest and host ended on different weights after FedAvg")
+            else:
+                return rows
+    said, tail = log_tail(log_path)
+    if said and not outcome["timed_out"]:  # a job stopped midway logs no cause
+        error += f": {said}"
+    return [{**common, "status": "failed", "round": None, "error": error,
+             "log": os.path.relpath(log_path, folder), "log_tail": tail, "provider": None}]
+
+
+# ---- the sweep --------------------------------------------------------------------------------------
+
+def sweep(s: Settings, folder: str, timeout_s: float, fail: set = frozenset(), command: str = "") -> int:
+    """Run the (rank, transport) jobs of `s` that `folder` does not hold complete; 1 if one failed."""
+    saved_meta = read_meta(folder) or {}
+    # the folder's table covers every rank ever asked of it; this run runs the ranks of `s`
+    asked = set(s.ranks) | set(saved_meta.get("settings", {}).get("ranks", []))
+    table = Settings(**{**asdict(s), "ranks": sorted(asked)})
+    with open(os.path.join(folder, "sweep.json"), "w") as f:
+        json.dump({"settings": asdict(table), "machine": saved_meta.get("machine", machine()), "link": LINK,
+                   "commands": saved_meta.get("commands", []) + [command]}, f, indent=1)
+    with open(os.path.join(folder, "job.py"), "w") as f:
+        f.write(JOB_SCRIPT)
+    done = complete(read_rows(folder), s.rounds)
+    todo = [(r, t) for r in s.ranks for t in s.transports() if (r, t) not in done]
+    skipped = [(r, t) for r in s.ranks for t in s.transports() if (r, t) in done]
+    print(f"sweep lora: {folder}: {len(todo)} job(s) to run" + (f", {len(skipped)} complete there (skipped: "
+          f"{', '.join(f'r={r} {t}' for r, t in skipped)})" if skipped else "") +
+          f"; {s.model}, {s.rounds} rounds x {s.steps_per_round} steps, {s.device}; {LINK}", flush=True)
+    failed = 0
+    try:
+        for rank, transport in todo:
+            rows = run_rank(s, folder, rank, transport, timeout_s, rank in fail)
+            append_rows(folder, rows)
+            failed += rows[0]["status"] != "ok"
+            print(describe(rows), flush=True)
+            write_outputs(folder, table)
+    except KeyboardInterrupt:  # the running job's processes are gone (run_job); what finished is kept
+        print(f"sweep lora: interrupted; continue with --resume {folder}", file=sys.stderr)
+        write_outputs(folder, table)
+        return 130
+    table_path, png = write_outputs(folder, table)
+    print(f"sweep lora: table {table_path}" + (f", plot {png}" if png else "") + f", rows {folder}/results.jsonl")
+    return 1 if failed else 0
+
+
+def read_meta(folder: str) -> Optional[Dict[str, Any]]:
+    path = os.path.join(folder, "sweep.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def describe(rows: List[Dict[str, Any]]) -> str:
+    r0 = rows[0]
+    head = f"  rank {r0['rank']:>4} {r0['transport']:<9}"
+    if r0["status"] != "ok":
+        return f"{head} FAILED: {r0['error']}" + (f" (log: {r0['log']})" if r0["log"] else "")
+    last = rows[-1]
+    emu = f"  [{EMULATION}]" if r0["emulated"] else ""
+    return (f"{head} loss {_f(last['loss_guest'])}/{_f(last['loss_host'])} (guest/host) at round {last['round']}, "
+            f"comm {median(r['comm_seconds'] for r in rows):.3f} s/round, compute "
+            f"{median(r['compute_seconds'] for r in rows):.3f} s/round, {_mb(r0['up_bytes'])} up / "
+            f"{_mb(r0['down_bytes'])} down per client per round, job {r0['job_seconds']:.0f} s{emu}")
+
+
+def _f(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _mb(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 1e6:.2f} MB"
+
+
+def summary(rows: Sequence[Dict[str, Any]], s: Settings) -> List[Dict[str, Any]]:
+    """One line per (rank, transport) asked: its last job's medians, or its error."""
+    runs = latest_runs(rows)
+    out = []
+    for rank in s.ranks:
+        for t in s.transports():
+            rs = runs.get((rank, t))
+            if not rs:
+                continue
+            ok = sorted((r for r in rs if r["status"] == "ok"), key=lambda r: r["round"])
+            if not ok:
+                out.append({"rank": rank, "transport": t, "status": "failed", "error": rs[0]["error"]})
+                continue
+            last = ok[-1]
+            rss = [r["peak_rss_bytes"] for r in ok]
+            out.append({
+                "rank": rank, "transport": t, "status": "ok", "params": last["trainable_params"],
+                "up_bytes": last["up_bytes"], "down_bytes": last["down_bytes"], "rounds": len(ok),
+                "loss_guest": last["loss_guest"], "loss_host": last["loss_host"], "loss": last["loss"],
+                "comm_median_s": median(r["comm_seconds"] for r in ok),
+                "compute_median_s": median(r["compute_seconds"] for r in ok),
+                "client_rss": max(max(x["guest"], x["host"]) for x in rss), "arbiter_rss": max(x["arbiter"] for x in rss),
+                "provider": last["provider"], "emulated": last["emulated"], "device": last["device"],
+            })
+    return out
+
+
+def markdown(rows: Sequence[Dict[str, Any]], s: Settings, folder: str) -> str:
+    lines_ = summary(rows, s)
+    meta = read_meta(folder) or {}
+    providers = sorted({x["provider"] for x in lines_ if x.get("provider") and x["transport"] == "fate-rdma"})
+    emulated = any(x.get("emulated") for x in lines_)
+    model = "GPT-2 124M (GPT2Config(), random init)" if s.model == "gpt2" else "tiny GPT-2 (2 layers, n_embd 128)"
+    loads = sorted({r["loadavg_1m"] for r in rows if "loadavg_1m" in r})
+    md = [
+        "# LoRA rank sweep with training", "",
+        f"- job: {model} + peft LoRA on c_attn (alpha = 2 x rank), FedAvg with FATE-LLM "
+        "(Seq2SeqFedAVGClient/Server, FATE's secure aggregation), guest + host + arbiter",
+        f"- rounds: {s.rounds} x {s.steps_per_round} local steps of {s.batch_size} x {s.seq_len} tokens; "
+        f"device {s.device}; {s.threads} torch thread(s) per party",
+        f"- machine: {meta.get('machine', machine())}; load average (1 min) at the jobs' starts "
+        + (f"{loads[0]:.2f} - {loads[-1]:.2f}" if loads else "-"),
+        f"- link: {LINK}",
+        f"- provider: {', '.join(providers) or '-'}" + (f" **[{EMULATION}]**" if emulated else ""),
+        f"- loss: {LOSS_KIND}; the table shows the last round's, guest / host",
+        "- comm per round: time in FedAvg's aggregation call of the client that reached it last (upload, the "
+        "arbiter's sum, download); compute per round: the slower client's local steps; medians over rounds",
+        "- payload: per client per round, FATE's secure aggregation (the mixed float64 weights, 16 bytes a "
+        "trainable parameter, up; the float64 average, 8 bytes, down)",
+        "",
+        "| rank | transport | trainable params | payload up / down | loss at last round (guest / host) "
+        "| comm per round, median (s) | compute per round, median (s) | peak RSS client / arbiter |",
+        "|---:|---|---:|---|---|---:|---:|---|",
+    ]
+    for x in lines_:
+        if x["status"] != "ok":
+            err = x["error"].replace("|", "/")[:160]
+            md.append(f"| {x['rank']} | {x['transport']} | - | - | failed: {err} | - | - | - |")
+            continue
+        md.append(f"| {x['rank']} | {x['transport']} | {x['params']:,} | {_mb(x['up_bytes'])} / {_mb(x['down_bytes'])} "
+                  f"| {_f(x['loss_guest'])} / {_f(x['loss_host'])} | {x['comm_median_s']:.3f} "
+                  f"| {x['compute_median_s']:.3f} | {x['client_rss'] / 2**30:.2f} / {x['arbiter_rss'] / 2**30:.2f} GiB |")
+    md += ["", "Command(s): " + "; ".join(f"`{c}`" for c in meta.get("commands", []) if c), ""]
+    return "\n".join(md)
+
+
+def write_outputs(folder: str, s: Settings) -> tuple:
+    rows = read_rows(folder)
+    table_path = os.path.join(folder, "table.md")
+    with open(table_path, "w") as f:
+        f.write(markdown(rows, s, folder))
+    return table_path, write_plot(summary(rows, s), s, os.path.join(folder, "lora_sweep.png"))
+
+
+def write_plot(lines_: Sequence[Dict[str, Any]], s: Settings, path: str) -> Optional[str]:
+    """Loss reached (left) and communication per round (right) against the LoRA rank; None when nothing
+    completed yet or matplotlib is missing."""
+    ok = [x for x in lines_ if x["status"] == "ok"]
+    if not ok:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("sweep lora: no plot (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
+        return None
+    fig, (ax_loss, ax_comm) = plt.subplots(1, 2, figsize=(10, 5))
+    has_rdma = any(x["transport"] == "fate-rdma" for x in ok)
+    for t, marker, color in (("fate-rdma", "o", "tab:blue"), ("fate", "s", "tab:green")):
+        xs = [x for x in ok if x["transport"] == t]
+        if not xs:
+            continue
+        ranks = [x["rank"] for x in xs]
+        if t == "fate-rdma" or not has_rdma:  # the same weights either way: one loss curve
+            ax_loss.plot(ranks, [x["loss_guest"] for x in xs], marker="o", label="guest")
+            ax_loss.plot(ranks, [x["loss_host"] for x in xs], marker="o", linestyle="--", label="host")
+        label = ("fate-rdma" + (" (soft: emulated)" if any(x["emulated"] for x in xs) else "")
+                 if t == "fate-rdma" else "FATE's own federation")
+        ax_comm.plot(ranks, [x["comm_median_s"] for x in xs], marker=marker, color=color,
+                     label=f"communication, {label}")
+        ax_comm.plot(ranks, [x["compute_median_s"] for x in xs], marker=marker, color=color, linestyle=":",
+                     alpha=0.5, label=f"computation, {t} job")
+        if t == "fate-rdma" or not has_rdma:  # what each point moved: the upload per client and round
+            for x in xs:
+                ax_comm.annotate(_mb(x["up_bytes"]) + " up", (x["rank"], x["comm_median_s"]), fontsize=7,
+                                 textcoords="offset points", xytext=(5, -11))
+    all_ranks = sorted({x["rank"] for x in ok})
+    for ax in (ax_loss, ax_comm):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_ranks, [str(r) for r in all_ranks])
+        ax.minorticks_off()
+        ax.set_xlabel("LoRA rank")
+        ax.grid(True, alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    ax_comm.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    ax_loss.set_ylabel(f"training loss at round {s.rounds}")
+    ax_comm.set_yscale("log")
+    ax_comm.set_ylabel("seconds per round (median)")
+    model = "GPT-2 124M" if s.model == "gpt2" else "tiny GPT-2"
+    emu = any(x["emulated"] for x in ok)
+    fig.suptitle(f"{model} LoRA FedAvg (FATE-LLM), {s.rounds} rounds x {s.steps_per_round} steps, {s.device}; "
+                 f"one host, loopback" + (f"\n{EMULATION}" if emu else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
