@@ -47,8 +47,11 @@ class ChannelConfig:
     max_window: int = 64
     #: lower bound of the automatic window: keeps a fast LAN's pipeline busy when the BDP is under a chunk
     min_auto_window: int = 4
-    #: queue pairs per peer, chunks striped across them (several NIC ports or paths where present)
-    qps_per_peer: int = 1
+    #: queue pairs per peer, chunks striped across them (several NIC ports or paths where present; the
+    #: soft provider opens one TCP stream per QP). "auto": up to AUTO_QPS_MAX are set up, and once the
+    #: RTT probe has measured the path, 1 is used below LONG_PATH_RTT_S and all of them above it: on a
+    #: long lossy path several streams beat one congested stream (`fate-rdma eval link --study qps`)
+    qps_per_peer: Union[int, str] = 1
     #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate
     link_enable: Union[bool, str] = "auto"
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s
@@ -124,8 +127,9 @@ class ChannelConfig:
             bad(f"need 1 <= min_auto_window <= max_window <= 1024, got {self.min_auto_window}, {self.max_window}")
         if isinstance(self.window, int) and self.window > self.max_window:
             bad(f"window {self.window} exceeds max_window {self.max_window}")
-        if not 1 <= self.qps_per_peer <= 16:
-            bad(f"qps_per_peer must be within [1, 16], got {self.qps_per_peer}")
+        if self.qps_per_peer != "auto" and (isinstance(self.qps_per_peer, bool) or not isinstance(self.qps_per_peer, int)
+                                            or not 1 <= self.qps_per_peer <= 16):
+            bad(f"qps_per_peer must be 'auto' or within [1, 16], got {self.qps_per_peer!r}")
         if self.link_enable not in (True, False, "auto"):
             bad(f"link_enable must be true, false or 'auto', got {self.link_enable!r}")
         if self.link_rate_bps is not None and self.link_rate_bps <= 0:

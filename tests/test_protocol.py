@@ -495,3 +495,11 @@ def test_fuzz_delivered_transfers_tile_exactly(chunks):
                 covered[i] += 1
             if placed.complete:
                 assert all(c == 1 for c in covered)
+
+
+def test_auto_qps_uses_every_qp_on_a_long_path_only():
+    from fate_rdma.protocol.policy import LONG_PATH_RTT_S, auto_qps
+
+    assert auto_qps(0.0002, 4) == 1  # loopback, one site
+    assert auto_qps(LONG_PATH_RTT_S, 4) == 4 and auto_qps(0.08, 4) == 4
+    assert auto_qps(0.08, 1) == 1 and auto_qps(0.08, 0) == 1  # the peer offered fewer

@@ -25,7 +25,8 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.policy import Mode, auto_window, choose_mode, first_chunk_bytes, NOMINAL_RATE_BPS
+from ..protocol.policy import (AUTO_QPS_MAX, NOMINAL_RATE_BPS, Mode, auto_qps, auto_window, choose_mode,
+                               first_chunk_bytes)
 from .checksum import integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
@@ -81,13 +82,14 @@ class Connection:
         pool = PoolOffer(cfg.pool_slots, cfg.slot_bytes, MAX_META) if cfg.mode == "fedrdma-e" else None
         staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                    if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
-        peer = exchange_hello(boot, Hello(self.endpoint.name, cfg.qps_per_peer, pool, staging, cfg.checksum), t)
+        offer_qps = AUTO_QPS_MAX if cfg.qps_per_peer == "auto" else int(cfg.qps_per_peer)
+        peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum), t)
         if peer.name != self.identity.name:
             raise RemoteProtocolError(f"peer authenticated as {self.identity.name!r} names itself {peer.name!r} in its hello")
         agree_checksum(cfg.checksum, peer)
         self.peer = peer.name
         self.peer_hello = peer
-        nqps = max(1, min(cfg.qps_per_peer, peer.qps))
+        nqps = max(1, min(offer_qps, peer.qps))
         # FedRDMA-E slots start small and reserve more as they grow (fedrdma_e.SlotReceiver.on_grow)
         first = pool.slots * pool.offset_in_slot(min(cfg.slot_initial_bytes, cfg.slot_bytes)) if pool else 0
         offered = first + (staging.count * staging.buf_bytes if staging else 0)
@@ -268,8 +270,16 @@ class Connection:
         self._wrs[self._wr_seq] = (kind, out, seq, extra)
         return self._wr_seq
 
+    @property
+    def active_qps(self) -> int:
+        """The QPs chunks are striped over: all of them, or under qps_per_peer "auto" what the
+        measured RTT calls for (one until the probe has measured it)."""
+        if self.cfg.qps_per_peer != "auto":
+            return len(self.rcs)
+        return auto_qps(self.probe.rtt_s, len(self.rcs)) if self.probe.rtt_s is not None else 1
+
     def next_qp(self) -> ev.QP:
-        self._rr = (self._rr + 1) % len(self.rcs)
+        self._rr = (self._rr + 1) % self.active_qps
         return self.rcs[self._rr].qp
 
     def post_data(self, qp: ev.QP, o: Outgoing, c: P.Chunk, remote: ev.RemoteMR, roff: int, signal_last: bool,

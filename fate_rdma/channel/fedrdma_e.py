@@ -75,7 +75,7 @@ class SlotSender:
         tid = o.fut.transfer_id
         m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total, self.conn.cfg.chunk_bytes, window,
                              slot_payload_bytes=self.offer.slot_payload_bytes, room_bytes=self.ring.capacity[slot],
-                             header_after_all=len(self.conn.rcs) > 1, **common)
+                             header_after_all=self.conn.active_qps > 1, **common)
         if m.state is P.fedrdma.SendState.GROWING:
             self.conn.send_ctrl(self.ring.grow(slot, tid, o.payload.total))
         return m
