@@ -22,17 +22,17 @@ from .wan import SITE_NAMES, Testbed, WanError, fmt_rate, in_ns, state_dir, test
 
 
 class SiteProcess:
-    """A wan_probe command running inside a site namespace."""
+    """A wan_probe command (or another module's, `module`) running inside a site namespace."""
 
-    def __init__(self, tb: Testbed, site: int, args: List[str]) -> None:
-        self.what = f"wan_probe {args[0]} in {tb.site_ns(site)}"
+    def __init__(self, tb: Testbed, site: int, args: List[str], module: str = "fate_rdma.wan_probe") -> None:
+        self.what = f"{module.rsplit('.', 1)[-1]} {args[0]} in {tb.site_ns(site)}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # the checkout on the path, so a source tree without `pip install -e` works too
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         # stderr to a file, not a pipe: a chatty process must never block on a pipe nobody reads
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(in_ns(tb.site_ns(site), [sys.executable, "-m", "fate_rdma.wan_probe", *args]),
+        self.proc = subprocess.Popen(in_ns(tb.site_ns(site), [sys.executable, "-m", module, *args]),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env)
         self._buf = b""
 

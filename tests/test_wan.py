@@ -293,3 +293,53 @@ def test_eval_usage_errors(capsys: pytest.CaptureFixture) -> None:
         cli_main(["eval", "link", "--help"])
     assert ex.value.code == 0
     assert "link-enable" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(150)
+def test_eval_fate_quick(can_build: None, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """FATE's own path (OSX engine through the project's queue) beside fate-rdma fedrdma-e, three sites, one
+    tiny FedAvg round (GPT-2 LoRA r=4): both verified by the job's checks, the payload on each method's path."""
+    pytest.importorskip("fate.arch.federation.backends.osx.osx_pb2_grpc", reason="FATE's OSX engine is not installed")
+    assert cli_main(["eval", "fate", "--methods", "fedrdma"]) == 2  # FATE's own path is the reference
+    assert "--methods" in capsys.readouterr().err
+    rc = cli_main(["eval", "fate", "--quick", "--methods", "fate,fedrdma-e", "--out", str(tmp_path / "fate"),
+                   "--prefix", prefix])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = _rows(tmp_path / "fate")
+    runs = [r for r in rows if r.get("row") != "ratio"]
+    assert [r["method"] for r in runs] == ["fate", "fedrdma-e"]
+    up, down = runs[0]["up_bytes"], runs[0]["down_bytes"]
+    assert up == 2 * down > 2 << 20  # LoRA r=4: 147,456 parameters, 16 B each up
+    for r in runs:
+        assert r["verified"] and r["failures"] == [] and r["rounds"] == 1 and r["round_comm_seconds"] > 0, r
+        assert r["link_bytes_total"] >= 2 * (up + down), r  # both clients' payloads crossed the shaped links
+        assert r["sites"] == {"arbiter": "a", "guest": "b", "host": "c"} and r["queue_site"] == "a"
+        assert all(v > 100 << 20 for v in r["peak_rss_bytes"].values()), r
+        assert "scaled rate 50 Mbit/s" in r["note"] and r["measured"]["rtt_median_ms"] >= 9.5, r
+    fate, rdma = runs
+    assert fate["queue"]["pushed_bytes"] >= 2 * (up + down) and fate["rdma"] is None
+    assert rdma["queue"]["pushed_bytes"] < 256 << 10 and rdma["emulated"]  # only descriptors through the queue
+    # 2 uploads and 2 downloads in the round, as many in the untimed warm-up exchange
+    assert sum(s["rdma_transfers"] for s in rdma["rdma"].values()) == 8
+    (ratio,) = [r for r in rows if r.get("row") == "ratio"]
+    assert ratio["method"] == "fedrdma-e" and ratio["fate_over_fate_rdma"] > 0
+    (run,) = list((tmp_path / "fate").iterdir())
+    table = (run / "table.md").read_text()
+    assert "not a real OSX/rollsite deployment" in table and "soft provider = emulation" in table
+    assert "arbiter in a" in table and "| fedrdma-e |" in table
+    _png(run / "fate_path.png")
+    assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
+    assert not [c for c in _children() if "eval_fate_party" in c or "osx_queue" in c]
+
+
+def _children() -> list:
+    """Command lines of this process's live children."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.append((p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

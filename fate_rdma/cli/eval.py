@@ -1,6 +1,6 @@
-"""`fate-rdma eval link|stress|fairness|cost`: issue 14's evaluation, each run a folder of evidence.
+"""`fate-rdma eval link|stress|fairness|fate|cost`: issue 14's evaluation, each run a folder of evidence.
 
-link, stress and fairness build a WAN testbed of their own (`fate-rdma wan`; root; prefix freval by
+link, stress, fairness and fate build a WAN testbed of their own (`fate-rdma wan`; root; prefix freval by
 default: give another with --prefix when a second testbed may exist) and remove it at the end, also
 on failure, Ctrl-C or SIGTERM. cost runs on loopback (no testbed, no root). Every run writes
 OUT/<UTC time>-<study>/results.jsonl, table.md and a PNG, and prints the table. Every row states the
@@ -13,6 +13,7 @@ packets on 2 cores cannot carry the paper's 10 Gbit/s x 20 ms, and every row say
   fate-rdma eval link --links 100:20:0,100:20:1 --chunks 65536,1048576 --bytes 33554432 --reps 5
   fate-rdma eval stress --quick          # loss 0/0.1/1/5 % and a CPU stress; every transfer verified
   fate-rdma eval fairness --quick        # 3 clients -> 1 arbiter at once: per-client times, slowest vs fastest
+  fate-rdma eval fate --quick            # FATE's own path (OSX engine) vs fate-rdma: FedAvg rounds, three sites
   fate-rdma eval cost --quick            # the paper's Table 4 on loopback: time, extra memory, CPU s per side
 
 Exit codes: 0 ok; 1 a transfer failed, was corrupted or (stress) anything was lost; 2 bad usage;
@@ -69,6 +70,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        formatter_class=fmt, description=_doc("eval_fairness"))
     _one_link(f, "the arbiter's link rate", "round trip client <-> arbiter", "fedrdma-e chunk", " per client")
     _common(f, "32 MiB per client; quick 4 MiB", "3; quick 1")
+    e = sub.add_parser("fate", help="FATE's own path (OSX engine) beside fate-rdma: FedAvg rounds, three sites",
+                       formatter_class=fmt, description=_doc("eval_fate"))
+    e.add_argument("--quick", action="store_true", help="50 Mbit/s x 10 ms, LoRA rank 4, 1 round")
+    e.add_argument("--lora-rank", type=int, default=None,
+                   help="GPT-2 LoRA (c_attn) rank of the payload; 0: GPT-2's full weights (default 16; quick 4)")
+    e.add_argument("--scale", type=float, default=None, help="fraction of each tensor's leading dimension (default 1)")
+    e.add_argument("--rounds", type=int, default=None, help="FedAvg rounds per method (default 3; quick 1)")
+    e.add_argument("--rate-mbit", type=float, default=None, help="every site's link rate (default 100; quick 50)")
+    e.add_argument("--rtt-ms", type=float, default=None, help="round trip between sites (default 20; quick 10)")
+    e.add_argument("--loss-pct", type=float, default=None, help="random loss on packets leaving each site (default 0)")
+    e.add_argument("--methods", default=None, help="comma list: fate (required), fedrdma-e, fedrdma (default all)")
+    e.add_argument("--out", default="results/eval", help="results root; each run makes a time-stamped folder")
+    e.add_argument("--prefix", default="freval", help="namespace prefix of the testbed this run builds")
+    e.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each method's job (every party)")
     c = sub.add_parser("cost", help="the paper's Table 4 on loopback: time, extra memory, CPU seconds each side",
                        formatter_class=fmt, description=_doc("eval_cost"))
     c.add_argument("--quick", action="store_true", help="64 MiB, 1 rep, loopback TCP path only")
@@ -159,6 +174,14 @@ def _plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
         plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, nbytes=args.bytes, reps=args.reps,
                           chunk_bytes=args.chunk_bytes)
         return lambda **kw: run_fairness(plan, **kw), plan, True
+    if act == "fate":
+        from ..eval_fate import FULL, QUICK, run_fate
+
+        base = QUICK if args.quick else FULL
+        plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, loss_pct=args.loss_pct,
+                          lora_rank=args.lora_rank, scale=args.scale, rounds=args.rounds,
+                          methods=_csv(args.methods) if args.methods else None)
+        return lambda **kw: run_fate(plan, **kw), plan, True
     from ..eval_cost import FULL, QUICK, run_cost
 
     base = QUICK if args.quick else FULL
