@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "secret": ("fate_rdma.cli.secret", "write a fresh federation secret for peer authentication (secret_file)"),
     "tls": ("fate_rdma.cli.tls", "make a federation CA and each party's TLS certificate and key (tls: true)"),
     "vm": ("fate_rdma.cli.vm", "run a command in a qemu VM with a Soft-RoCE (rxe0) RDMA device: real verbs, no NIC"),
-    "eval": ("fate_rdma.cli.eval", "evaluation: link studies on the WAN testbed, stress, fairness, system cost (JSONL, table, plot)"),
+    "eval": ("fate_rdma.cli.eval", "evaluation on the WAN testbed: link studies, FATE's own path, stress, fairness, system cost (JSONL, table, plot)"),
     "wan": ("fate_rdma.cli.wan", "a WAN testbed with real packets: sites as namespaces, shaped links (up/down/status/check)"),
     "sweep": ("fate_rdma.cli.sweep", "LoRA rank sweep with real GPT-2 FedAvg training: loss, compute, communication per rank"),
 }
