@@ -29,6 +29,17 @@ queue, and verified (the job's own checks: the average is what it must be, both 
 digest; and the payload took the path the method names). Ratio FATE / fate-rdma per mode.
 
 Writes OUT/<UTC time>-fate/: results.jsonl, table.md, fate_path.png; parties/<method>/<role>.json.
+
+`--job train` (Figure 7): the same sites, queue, warm-up and methods, but each party runs the real
+GPT-2 LoRA FedAvg training of fate_rdma.llm.gpt2_fedavg (FATE-LLM's Seq2SeqFedAVGClient/Server,
+FATE's secure aggregation; `--model gpt2|tiny`, `--lora-rank`, `--rounds`, `--steps-per-round`; CPU).
+Per method and round: compute (the slower client's local steps) and comm (the smaller of the two
+clients' aggregation-call times) exactly as `fate-rdma sweep lora` defines them (sweep.round_rows),
+the training loss, and per method a median row with each party's peak RSS, the link and queue bytes
+and the verification (both clients on the same weights, every method on the weights FATE's own path
+gave, the payload on the method's path). fate-rdma's threshold is the sweep's 16 KiB, so the tiny
+model's payload takes the channel too. Writes OUT/<UTC time>-fate-train/: results.jsonl (rows
+"round" and "median"), table.md, fate_train_rounds.png (stacked compute / comm bars per round).
 """
 from __future__ import annotations
 
@@ -45,11 +56,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import wan
 from .eval_common import SOFT, Rows, bars, header, link_line, machine, md_table, measured_link, median, print_md, \
-    results_dir, secret_file, testbed
+    pyplot, results_dir, secret_file, testbed
 from .wan_run import SiteProcess
 
 MiB = 1 << 20
 METHODS = ("fate", "fedrdma-e", "fedrdma")
+JOBS = ("payload", "train")
 #: role -> site index; the queue runs in the arbiter's site
 SITES = {"arbiter": 0, "guest": 1, "host": 2}
 QUEUE_SITE = 0
@@ -70,6 +82,9 @@ class Plan:
     rounds: int = 3
     methods: Tuple[str, ...] = METHODS
     measure_s: float = 2.0
+    job: str = "payload"       # payload: fate_job's rounds (no training); train: gpt2_fedavg's training
+    model: str = "gpt2"        # train job: gpt2 (124M) or tiny
+    steps_per_round: int = 2   # train job: local optimizer steps per round
 
     def with_(self, **kw: Any) -> "Plan":
         p = replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -80,15 +95,31 @@ class Plan:
         bad = [m for m in p.methods if m not in METHODS]
         if bad or not p.methods or "fate" not in p.methods:
             raise ValueError(f"--methods: fate and any of fedrdma-e, fedrdma (got {', '.join(p.methods) or 'none'})")
-        return p
+        if p.job not in JOBS:
+            raise ValueError(f"--job: payload or train, not {p.job!r}")
+        if p.job == "train" and (p.lora_rank < 1 or p.scale != 1 or p.model not in ("gpt2", "tiny")
+                                 or p.steps_per_round < 1):
+            raise ValueError("--job train: --lora-rank >= 1 (LoRA on c_attn; no full fine-tune through the sites), "
+                             "no --scale, --model gpt2 or tiny, --steps-per-round >= 1")
+        # FATE's own path first: it is the reference of the ratios and of the trained weights
+        return replace(p, methods=tuple(m for m in METHODS if m in p.methods))
 
     @property
     def payload(self) -> str:
+        if self.job == "train":
+            model = "GPT-2 124M" if self.model == "gpt2" else "tiny GPT-2 (2 layers)"
+            return f"{model} LoRA r={self.lora_rank} (c_attn), trained"
         what = f"GPT-2 LoRA r={self.lora_rank} (c_attn)" if self.lora_rank else "GPT-2 full weights"
         return what + (f" x {self.scale:g}" if self.scale < 1 else "")
 
     def client_bytes(self) -> Tuple[int, int]:
         """(up, down) bytes per client per round: mixed float64 (16 B a parameter) up, the average down."""
+        if self.job == "train":
+            from .llm.gpt2_fedavg import SECAGG_DOWN_BYTES_PER_PARAM, SECAGG_UP_BYTES_PER_PARAM
+            from .llm.sweep import lora_params
+
+            n = lora_params(self.model, self.lora_rank)
+            return SECAGG_UP_BYTES_PER_PARAM * n, SECAGG_DOWN_BYTES_PER_PARAM * n
         from .bench.fate_job import scaled_shapes
 
         n = 0
@@ -129,7 +160,14 @@ def section(tb: wan.Testbed, mode: str, plan: Plan, secret: str, port: int, time
            for role, site in SITES.items()}
     # same_host false: else the soft provider copies between these processes of one machine and no
     # payload byte crosses the link; a slot takes one client's upload (what the bench sets too)
-    return {"enabled": True, "threshold_bytes": MiB, "fallback": "error", "endpoints": eps, "mode": mode,
+    # the train job's tiny model puts less than 1 MiB a round: the sweep's 16 KiB threshold still sends every
+    # model-sized payload over the channel (FATE's small control messages stay on its path)
+    threshold = MiB
+    if plan.job == "train":
+        from .llm.sweep import DEFAULT_SECTION
+
+        threshold = DEFAULT_SECTION["threshold_bytes"]
+    return {"enabled": True, "threshold_bytes": threshold, "fallback": "error", "endpoints": eps, "mode": mode,
             "provider": "soft", "same_host": False, "secret_file": secret, "window": "auto",
             "link_rate_bps": plan.rate_mbit * 1e6, "slot_bytes": up + 16 * MiB, "too_large": "fedrdma",
             "pull_timeout_s": timeout_s, "connect_timeout_s": 30.0}
@@ -149,7 +187,8 @@ def run_method(tb: wan.Testbed, method: str, plan: Plan, secret: str, folder: Pa
             fed_id = f"evalfate_{method.replace('-', '')}_{os.getpid()}_{int(time.time())}"
             common = ["--fed-id", fed_id, "--data-dir", data_dir, "--osx", addr, "--section", json.dumps(sec),
                       "--out", str(out), "--rounds", str(plan.rounds), "--scale", str(plan.scale),
-                      "--lora-rank", str(plan.lora_rank), "--deadline-s", str(timeout_s)]
+                      "--lora-rank", str(plan.lora_rank), "--deadline-s", str(timeout_s), "--job", plan.job,
+                      "--model", plan.model, "--steps-per-round", str(plan.steps_per_round)]
             procs = {role: SiteProcess(tb, site, [role, *common], module="fate_rdma.eval_fate_party")
                      for role, site in SITES.items()}
             deadline = time.monotonic() + timeout_s + 30
@@ -204,31 +243,43 @@ def link_bound(plan: Plan) -> float:
     return 2 * (up + down) * 8 / (plan.rate_mbit * 1e6)
 
 
-def make_row(method: str, got: Dict[str, Any], plan: Plan, measured: Dict[str, Any], tb: wan.Testbed) -> Dict[str, Any]:
-    p = got["parties"]
-    g, h = p["guest"], p["host"]
-    per_round = [max(x, y) for x, y in zip(g["comm_seconds"], h["comm_seconds"])]  # the slower client
+def path_failures(method: str, got: Dict[str, Any], plan: Plan, crossed: int) -> List[str]:
+    """Whether the payload took the method's path: every client's upload and download crossed the links;
+    with FATE all of it went through the queue; with fate-rdma it took the channel (2 uploads and 2
+    downloads a round and in the warm-up, none fell back to FATE) and only small objects went through the
+    queue."""
     up, down = plan.client_bytes()
     payload_total = plan.rounds * 2 * (up + down)
-    crossed = sum(v["up"] for v in got["link_bytes"].values())  # each packet between sites: once up
-    rdma = {r: p[r].get("rdma") or {} for r in SITES}
-    failures = [f"{r}: the job's check of the average failed" for r in ("guest", "host") if not p[r]["verified"]]
+    failures = []
     if crossed < payload_total:
         failures.append(f"only {crossed} B crossed the links for {payload_total} B of payload")
     if method == "fate":
         if got["queue"]["pushed_bytes"] < payload_total:
             failures.append(f"only {got['queue']['pushed_bytes']} B went through the queue for {payload_total} B")
-    else:
-        transfers = sum(s.get("rdma_transfers", 0) for s in rdma.values())
-        fallbacks = sum(s.get("fate_fallbacks", 0) for s in rdma.values())
-        want = 4 * (plan.rounds + 1)  # per round and in the warm-up: 2 uploads, 2 downloads
-        if transfers != want or fallbacks:
-            failures.append(f"{transfers} channel transfers, {fallbacks} fell back to FATE (want {want}, 0)")
-        if got["queue"]["pushed_bytes"] >= up:
-            failures.append(f"{got['queue']['pushed_bytes']} B went through the queue: the payload did not take "
-                            f"the channel")
-        if "wrapped by fate-rdma" not in got["federation"]:
-            failures.append(got["federation"])
+        return failures
+    rdma = [got["parties"][r].get("rdma") or {} for r in SITES]
+    transfers = sum(s.get("rdma_transfers", 0) for s in rdma)
+    fallbacks = sum(s.get("fate_fallbacks", 0) for s in rdma)
+    want = 4 * (plan.rounds + 1)
+    if transfers != want or fallbacks:
+        failures.append(f"{transfers} channel transfers, {fallbacks} fell back to FATE (want {want}, 0)")
+    if got["queue"]["pushed_bytes"] >= up:
+        failures.append(f"{got['queue']['pushed_bytes']} B went through the queue: the payload did not take "
+                        f"the channel")
+    if "wrapped by fate-rdma" not in got["federation"]:
+        failures.append(got["federation"])
+    return failures
+
+
+def make_row(method: str, got: Dict[str, Any], plan: Plan, measured: Dict[str, Any], tb: wan.Testbed) -> Dict[str, Any]:
+    p = got["parties"]
+    g, h = p["guest"], p["host"]
+    per_round = [max(x, y) for x, y in zip(g["comm_seconds"], h["comm_seconds"])]  # the slower client
+    up, down = plan.client_bytes()
+    crossed = sum(v["up"] for v in got["link_bytes"].values())  # each packet between sites: once up
+    rdma = {r: p[r].get("rdma") or {} for r in SITES}
+    failures = [f"{r}: the job's check of the average failed" for r in ("guest", "host") if not p[r]["verified"]]
+    failures += path_failures(method, got, plan, crossed)
     return {
         "study": "fate", "method": method, "path": PATHS[method], "machine": machine(),
         "provider": SOFT if method != "fate" else "FATE OSX engine through " + QUEUE,
@@ -253,7 +304,8 @@ def run_fate(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: floa
              log: Callable[[str], None] = print, command: str = "") -> Path:
     """Every method of the plan on one testbed; returns the results folder. WanError (after writing
     it) if a method failed or was not verified."""
-    out = results_dir(out_root, "fate")
+    train = plan.job == "train"
+    out = results_dir(out_root, "fate-train" if train else "fate")
     rows = Rows(out)
     failed: List[str] = []
     try:
@@ -269,18 +321,33 @@ def run_fate(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: floa
                     failed.append(f"{method}: {exc}")
                     log(f"  {method}: FAILED: {exc}")
                     continue
+                if train:
+                    made = [rows.add(x) for x in train_rows(method, got, plan, measured, bed.tb, fate_weights(rows))]
+                    r = made[-1]
+                    log(f"  {method}: per round (median of {plan.rounds}) compute {_sec(r['compute_seconds'])} s, "
+                        f"comm {_sec(r['comm_seconds'])} s; loss at round {plan.rounds} {_loss(r)} (guest / host), "
+                        f"{r['link_bytes_total'] / MiB:.1f} MiB crossed the links, "
+                        f"{'verified' if r['verified'] else 'NOT verified: ' + '; '.join(r['failures'])} "
+                        f"({time.monotonic() - t0:.0f} s)")
+                    continue
                 r = rows.add(make_row(method, got, plan, measured, bed.tb))
                 log(f"  {method}: {r['round_comm_seconds']:.3f} s per round (median of {plan.rounds}), "
                     f"{r['link_bytes_total'] / MiB:.1f} MiB crossed the links, "
                     f"{'verified' if r['verified'] else 'NOT verified: ' + '; '.join(r['failures'])} "
                     f"({time.monotonic() - t0:.0f} s)")
-            ratios(rows)
+            if not train:
+                ratios(rows)
     finally:
-        lines = rows.save(out, markdown(rows.rows, plan, command, failed),
-                          lambda: write_plot(rows.rows, out / "fate_path.png"))
+        if train:
+            lines = rows.save(out, train_markdown(rows.rows, plan, command, failed),
+                              lambda: write_train_plot(rows.rows, plan, out / TRAIN_PNG))
+        else:
+            lines = rows.save(out, markdown(rows.rows, plan, command, failed),
+                              lambda: write_plot(rows.rows, out / "fate_path.png"))
     print_md(lines, log, out)
+    # a payload job's rows, a training job's median rows: one a method, with its verification
     bad = failed + [f"{r['method']}: {'; '.join(r['failures'])}" for r in rows.rows
-                    if r.get("row") != "ratio" and not r["verified"]]
+                    if r.get("row") in (None, "median") and not r["verified"]]
     if bad:
         raise wan.WanError("; ".join(bad) + f" (results in {out})")
     return out
@@ -304,17 +371,22 @@ def _bytes(n: int) -> str:
     return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
 
 
-def markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str, failed: Sequence[str]) -> List[str]:
-    runs = [r for r in rows if r.get("row") != "ratio"]
+def setup_lines(plan: Plan, runs: Sequence[Dict[str, Any]]) -> List[str]:
+    """The header lines both jobs' tables share: providers, sites, the link as shaped and as measured."""
     m = runs[0]["measured"] if runs else {}
-    up, down = plan.client_bytes()
-    lines = header("fate-rdma eval fate: FATE's own federation path on the testbed", command, [
+    return [
         f"provider: fate-rdma over the {SOFT}; FATE: its OSX engine through {QUEUE}, running in site a",
         "sites: arbiter in a (198.18.1.2, beside the queue), guest in b (198.18.2.2), host in c (198.18.3.2); "
         "one process per party (`ip netns exec`), each building its own FATE Context (standalone computing)",
         f"link: every site {plan.rate_mbit:g} Mbit/s, {plan.rtt_ms:g} ms RTT between sites, loss {plan.loss_pct:g} %; "
-        f"{link_line(m) if m else ''} (guest b -> arbiter a); {runs[0]['note'] if runs else ''}",
-        f"payload: {plan.payload}, {up / MiB:.1f} MiB up (mixed float64) / {down / MiB:.1f} MiB down per client per "
+        f"{link_line(m) if m else ''} (guest b -> arbiter a); {runs[0]['note'] if runs else ''}"]
+
+
+def markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str, failed: Sequence[str]) -> List[str]:
+    runs = [r for r in rows if r.get("row") != "ratio"]
+    up, down = plan.client_bytes()
+    lines = header("fate-rdma eval fate: FATE's own federation path on the testbed", command, [
+        *setup_lines(plan, runs), f"payload: {plan.payload}, {up / MiB:.1f} MiB up (mixed float64) / {down / MiB:.1f} MiB down per client per "
         f"round, FATE's secure aggregation (fate_rdma.bench.fate_job); {plan.rounds} round(s); figures are medians",
         "per round: the slower client, from a barrier until it holds the unpickled average, less the arbiter's "
         "summing time; crossed links: sum over sites of the bytes each link carried up (router counters); "
@@ -363,3 +435,172 @@ def write_plot(rows: Sequence[Dict[str, Any]], path: Path) -> Optional[Path]:
     return bars(path, [(title, names, series)], "seconds",
                 "real packets, scaled rate; soft provider = emulation, not RDMA; FATE: OSX engine, test queue",
                 hline=("link-bound round", bound) if bound else None)
+
+
+# ---- --job train: gpt2_fedavg's training rounds (Figure 7) --------------------------------------------
+
+TRAIN_PNG = "fate_train_rounds.png"
+#: the channel's counters cover the whole job, the untimed warm-up exchange included: not per-round figures
+_WHOLE_JOB = ("channel_up_bytes", "channel_down_bytes", "rdma_timers")
+
+
+def fate_weights(rows: Rows) -> Optional[str]:
+    """The clients' final weights (sha256) after FATE's own path, once it ran (it runs first)."""
+    return next((r["sha256"] for r in rows.rows if r.get("row") == "median" and r["method"] == "fate"), None)
+
+
+def train_rows(method: str, got: Dict[str, Any], plan: Plan, measured: Dict[str, Any], tb: wan.Testbed,
+               reference: Optional[str]) -> List[Dict[str, Any]]:
+    """One row per round (compute, comm and loss as `fate-rdma sweep lora` defines them: sweep.round_rows),
+    then the method's median row with its peak RSS, link and queue counters and its verification."""
+    from .llm.sweep import round_rows
+
+    p = got["parties"]
+    g, h = p["guest"], p["host"]
+    up, down = plan.client_bytes()
+    crossed = sum(v["up"] for v in got["link_bytes"].values())  # each packet between sites: once up
+    common = {"study": "fate-train", "job": "train", "method": method, "path": PATHS[method], "machine": machine(),
+              "payload": plan.payload, "model": plan.model, "lora_rank": plan.lora_rank, "rounds_asked": plan.rounds,
+              "sites": {role: wan.SITE_NAMES[s] for role, s in SITES.items()},
+              "queue_site": wan.SITE_NAMES[QUEUE_SITE], "measured": measured, "note": wan.testbed_note(tb, (1, 0)),
+              "link": {"rate_mbit": plan.rate_mbit, "rtt_ms": plan.rtt_ms, "loss_pct": plan.loss_pct},
+              "loadavg_1m": round(os.getloadavg()[0], 2)}
+    failures = path_failures(method, got, plan, crossed)
+    try:
+        rounds = round_rows(p, common)
+    except (KeyError, IndexError, TypeError) as exc:
+        rounds, failures = [], failures + [f"the parties' records are incomplete: {type(exc).__name__}: {exc}"]
+    if len(rounds) != plan.rounds:
+        failures.append(f"{len(rounds)} round(s) recorded, {plan.rounds} asked")
+    if g.get("sha256") != h.get("sha256"):
+        failures.append("guest and host ended on different weights after FedAvg")
+    if (g.get("up_bytes"), g.get("down_bytes")) != (up, down):
+        failures.append(f"the job put {g.get('up_bytes')} / {g.get('down_bytes')} B a round, {up} / {down} expected")
+    if reference is not None and g.get("sha256") != reference:
+        failures.append("the clients' final weights differ from those after FATE's own path")
+    provider = SOFT if method != "fate" else "FATE OSX engine through " + QUEUE
+    rdma = {r: p[r].get("rdma") or {} for r in SITES}
+    for r in rounds:
+        for k in _WHOLE_JOB:
+            r.pop(k, None)
+        # round_rows names the provider by the job's label; the row names the path too
+        r.update(row="round", label=r["provider"], provider=provider, federation=got["federation"],
+                 verified=not failures)
+    med = {
+        **common, "row": "median", "rounds": len(rounds), "label": g.get("label"), "provider": provider,
+        "emulated": "emulated" in (g.get("label") or ""), "federation": got["federation"],
+        "trainable_params": g.get("trainable_params"), "up_bytes": up, "down_bytes": down,
+        "compute_seconds": median([r["compute_seconds"] for r in rounds]),
+        "comm_seconds": median([r["comm_seconds"] for r in rounds]),
+        "round_seconds": median([r["round_seconds"] for r in rounds if r["round_seconds"] is not None]),
+        "loss_guest": rounds[-1]["loss_guest"] if rounds else None,
+        "loss_host": rounds[-1]["loss_host"] if rounds else None,
+        "peak_rss_bytes": {r: p[r]["peak_rss_bytes"] for r in SITES}, "sha256": g.get("sha256"),
+        "same_weights_as_fate": None if reference is None else g.get("sha256") == reference,
+        "link_bound_seconds": link_bound(plan), "link_bound_alone_seconds": (up + down) * 8 / (plan.rate_mbit * 1e6),
+        "link_bytes": got["link_bytes"], "link_bytes_total": crossed, "queue": got["queue"],
+        "rdma": {r: {k: s.get(k) for k in ("rdma_transfers", "rdma_bytes", "fate_fallbacks")} for r, s in rdma.items()}
+        if method != "fate" else None,
+        "verified": not failures, "failures": failures,
+    }
+    return rounds + [med]
+
+
+def _sec(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _loss(r: Dict[str, Any]) -> str:
+    return " / ".join("-" if x is None else f"{x:.4f}" for x in (r.get("loss_guest"), r.get("loss_host")))
+
+
+def train_markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str, failed: Sequence[str]) -> List[str]:
+    from .llm.sweep import LOSS_KIND
+
+    meds = [r for r in rows if r.get("row") == "median"]
+    up, down = plan.client_bytes()
+    model = "GPT-2 124M (GPT2Config(), random init)" if plan.model == "gpt2" else "tiny GPT-2 (2 layers, n_embd 128)"
+    loads = sorted({r["loadavg_1m"] for r in meds})
+    lines = header("fate-rdma eval fate --job train: FedAvg training rounds through the testbed (Figure 7)", command, [
+        *setup_lines(plan, meds),
+        f"job: {model} + peft LoRA r={plan.lora_rank} on c_attn, FedAvg with FATE-LLM (Seq2SeqFedAVGClient/Server, "
+        f"FATE's secure aggregation; fate_rdma.llm.gpt2_fedavg), {plan.rounds} round(s) x {plan.steps_per_round} "
+        f"local steps of 2 x 48 tokens, CPU, 1 torch thread per party; load average (1 min) after each method "
+        + (f"{loads[0]:.2f} - {loads[-1]:.2f}" if loads else "-"),
+        f"payload per client per round: {_bytes(up)} up (mixed float64, 16 B a trainable parameter) / "
+        f"{_bytes(down)} down (the float64 average); before the job, one untimed 1 MiB warm-up exchange each way "
+        "per client (fate-rdma's connections open there, as FATE's gRPC channel to the queue opens in the job)",
+        "compute per round: the slower client's local steps (from the round's start to its aggregation call); "
+        "comm per round: time in FedAvg's aggregation call of the client that reached it last (the smaller of the "
+        "two: upload, the arbiter's unmasking sum, download; the other also waits there for this one's steps); "
+        "as `fate-rdma sweep lora` defines them (sweep.round_rows); median row: medians over the rounds, loss "
+        "of the last round",
+        f"loss: {LOSS_KIND}, guest / host",
+        "verified: both clients end on the same weights (sha256), every method on the same weights as FATE's own "
+        "path, the rounds asked were recorded, the payload crossed the links and took the method's path (through "
+        "the queue, or the channel with only small objects in the queue)"])
+    fate = next((r for r in meds if r["method"] == "fate"), None)
+    cells = []
+    for r in [r for r in rows if r.get("row") in ("round", "median")]:
+        total = (r["compute_seconds"] or 0) + (r["comm_seconds"] or 0)
+        share = f"{100 * r['comm_seconds'] / total:.0f} %" if total else "-"
+        if r["row"] == "round":
+            cells.append([r["method"], r["round"], f"{r['compute_seconds']:.3f}", f"{r['comm_seconds']:.3f}", share,
+                          _loss(r), "", "", "", ""])
+            continue
+        rss = r["peak_rss_bytes"]
+        ratio = (f"{fate['comm_seconds'] / r['comm_seconds']:.2f}"
+                 if fate and r is not fate and r["comm_seconds"] else "1" if r is fate else "-")
+        cells.append([f"**{r['method']}**", "**median**", f"**{_sec(r['compute_seconds'])}**",
+                      f"**{_sec(r['comm_seconds'])}**", share, _loss(r),
+                      f"{_mib(rss['guest'])} / {_mib(rss['host'])} / {_mib(rss['arbiter'])}",
+                      f"{_mib(r['link_bytes_total'])} / {_bytes(r['queue']['pushed_bytes'])}", ratio,
+                      "verified" if r["verified"] else "FAILED: " + "; ".join(r["failures"])])
+    lines += md_table(["method", "round", "compute s", "comm s", "comm share", "loss guest / host",
+                       "peak RSS MiB guest / host / arbiter", "MiB crossed links / through the queue",
+                       "FATE comm / this", "verification"], cells)
+    if meds:
+        lines.append(f"Link-bound comm per round, at the shaped {plan.rate_mbit:g} Mbit/s, headers and RTT not counted: "
+                     f"{meds[0]['link_bound_alone_seconds']:.3f} s when the other client's upload is already done (the "
+                     f"last client's own upload and download), {meds[0]['link_bound_seconds']:.3f} s when both clients "
+                     f"reach the aggregation together (both uploads, then both downloads, share the arbiter's link): "
+                     f"comm depends on how far apart the clients finish their steps. Peak RSS and link / queue bytes: "
+                     f"the whole job of each method.")
+        lines.append("")
+    lines += [f"FAILED: {f}" for f in failed]
+    return lines + [""]
+
+
+def write_train_plot(rows: Sequence[Dict[str, Any]], plan: Plan, path: Path) -> Optional[Path]:
+    """Figure 7's shape: per method and round, a bar of compute with the round's communication on top."""
+    plt = pyplot()
+    rounds = [r for r in rows if r.get("row") == "round"]
+    if plt is None or not rounds:
+        return None
+    palette = {"fate": "tab:green", "fedrdma-e": "tab:blue", "fedrdma": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    ticks: List[Tuple[float, str]] = []
+    x = 0.0
+    for m in [m for m in METHODS if any(r["method"] == m for r in rounds)]:
+        mine = [r for r in rounds if r["method"] == m]
+        xs = [x + i for i in range(len(mine))]
+        compute = [r["compute_seconds"] for r in mine]
+        comm = [r["comm_seconds"] for r in mine]
+        ax.bar(xs, compute, 0.7, color="lightgrey", edgecolor="grey",
+               label="computation (slower client's local steps)" if not ticks else None)
+        ax.bar(xs, comm, 0.7, bottom=compute, color=palette[m], label=f"communication, {m}")
+        for xi, c, k in zip(xs, compute, comm):
+            ax.annotate(f"{k:.2f}", (xi, c + k), ha="center", fontsize=7, textcoords="offset points", xytext=(0, 2))
+        ticks += [(xi, f"{m}\nround {r['round']}") for xi, r in zip(xs, mine)]
+        x += len(mine) + 0.6  # a gap between methods
+    ax.set_xticks([t[0] for t in ticks], [t[1] for t in ticks], fontsize=7)
+    ax.set_ylabel("seconds per round")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(f"{plan.payload}; {plan.steps_per_round} local steps a round, CPU\n{plan.rate_mbit:g} Mbit/s x "
+                 f"{plan.rtt_ms:g} ms RTT testbed: real packets, scaled rate\nsoft provider = emulation, not RDMA; "
+                 "FATE: OSX engine through the project's test queue, not a real OSX", fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -3,9 +3,12 @@ fate_rdma.eval_fate_party ROLE ...`).
 
 It builds its FATE Context directly, as FATE's launcher does for a cluster context: standalone
 computing, FATE's OSX federation engine pointed at the OSX-compatible queue (`--osx`), with fate-rdma
-switched on when `--section` is given. Then it runs the FedAvg secure-aggregation rounds of
-`fate_rdma.bench.fate_job.run(ctx)` unchanged: that function reads its options (BenchArgs) from
-sys.argv, so this adapter sets sys.argv to them. The job writes `<out>/<role>.json`.
+switched on when `--section` is given. Then it runs one job's `run(ctx)` unchanged (`--job`):
+  payload  the FedAvg secure-aggregation rounds of `fate_rdma.bench.fate_job` (no training)
+  train    GPT-2 LoRA FedAvg training with FATE-LLM, `fate_rdma.llm.gpt2_fedavg` (`--model`,
+           `--steps-per-round`)
+Both read their options (BenchArgs, JobArgs) from sys.argv with FATE's HfArgumentParser, so this
+adapter sets sys.argv to them. The job writes `<out>/<role>.json`.
 
 Before the job, one untimed warm-up exchange between each client and the arbiter (`warm_up`); then
 the party prints {"warm": true} and waits for a line "go" on stdin. stdout carries JSON lines only
@@ -112,10 +115,31 @@ def build_context(role: str, fed_id: str, data_dir: str, osx: str, max_message_b
     return Context(computing=cs, federation=fed)
 
 
+JOBS = {"payload": "fate_rdma.bench.fate_job", "train": "fate_rdma.llm.gpt2_fedavg"}
+
+
 def job_argv(args: argparse.Namespace) -> List[str]:
-    """fate_job's BenchArgs as its HfArgumentParser reads them from sys.argv."""
-    return ["fate_job", "--rounds", str(args.rounds), "--scale", str(args.scale), "--lora_rank", str(args.lora_rank),
-            "--seed", str(args.seed), "--out", args.out]
+    """The job's options (fate_job's BenchArgs, gpt2_fedavg's JobArgs) as its HfArgumentParser reads them
+    from sys.argv."""
+    common = ["--rounds", str(args.rounds), "--lora_rank", str(args.lora_rank), "--seed", str(args.seed),
+              "--out", args.out]
+    if args.job == "train":  # one torch thread per party: three parties share this machine's cores
+        return ["gpt2_fedavg", *common, "--model", args.model, "--steps_per_round", str(args.steps_per_round),
+                "--threads", "1"]
+    return ["fate_job", *common, "--scale", str(args.scale)]
+
+
+def load_job(job: str) -> Any:
+    """The job's module, with what its run(ctx) imports: loaded before the warm-up, so that the parties
+    start the job together rather than each after its own imports (torch, transformers, FATE-LLM)."""
+    import importlib
+
+    module = importlib.import_module(JOBS[job])
+    if job == "train":
+        importlib.import_module("fate_llm.algo.fedavg.fedavg")
+        importlib.import_module("fate_llm.trainer.seq2seq_trainer")
+        importlib.import_module("fate_rdma.llm.corpus")
+    return module
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,10 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", required=True, help="FATE standalone computing's data folder")
     p.add_argument("--osx", required=True, help="HOST:PORT of the OSX(-compatible) queue")
     p.add_argument("--section", default="null", help="JSON fate_rdma section; null: FATE's own path")
-    p.add_argument("--out", required=True, help="where fate_job writes <role>.json")
+    p.add_argument("--out", required=True, help="where the job writes <role>.json")
+    p.add_argument("--job", choices=sorted(JOBS), default="payload",
+                   help="payload: fate_job's secure-aggregation rounds; train: gpt2_fedavg's training")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--scale", type=float, default=1.0, help="payload job: fraction of each tensor's leading dim")
     p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--model", choices=("gpt2", "tiny"), default="gpt2", help="train job: GPT-2 124M or tiny")
+    p.add_argument("--steps-per-round", type=int, default=2, help="train job: local optimizer steps per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-message-bytes", type=int, default=(2 << 30) - 1)
     p.add_argument("--deadline-s", type=float, default=600.0, help="stop (stacks to the log) after this long")
@@ -157,14 +185,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         ctx = build_context(args.role, args.fed_id, args.data_dir, args.osx, args.max_message_bytes,
                             json.loads(args.section))
         rdma = getattr(ctx.federation, "fate_rdma", None)
-        from .bench import fate_job
-
+        job = load_job(args.job)
         warm_up(ctx, args.role)
         # the driver reads the link and queue counters between "warm" and "go": they then count the job only
         _emit(out, {"warm": True, "role": args.role})
         go.wait()
         sys.argv = job_argv(args)
-        fate_job.run(ctx)
+        job.run(ctx)
         ctx.destroy()  # fate-rdma's close waits for puts still under way; FATE's OSX release
         ctx = None
         _emit(out, {"done": True, "role": args.role, "federation": type_name(rdma, args.section)})

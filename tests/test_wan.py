@@ -324,13 +324,47 @@ def test_eval_fate_quick(can_build: None, prefix: str, tmp_path: Path, capsys: p
     assert sum(s["rdma_transfers"] for s in rdma["rdma"].values()) == 8
     (ratio,) = [r for r in rows if r.get("row") == "ratio"]
     assert ratio["method"] == "fedrdma-e" and ratio["fate_over_fate_rdma"] > 0
-    (run,) = list((tmp_path / "fate").iterdir())
+    table = _fate_table(tmp_path / "fate", "fate_path.png", prefix)
+    assert "arbiter in a" in table and "| fedrdma-e |" in table
+
+
+def _fate_table(root: Path, png: str, prefix: str) -> str:
+    """An eval fate run's table.md, once its labels, its plot and that nothing is left behind are checked."""
+    (run,) = list(root.iterdir())
     table = (run / "table.md").read_text()
     assert "not a real OSX/rollsite deployment" in table and "soft provider = emulation" in table
-    assert "arbiter in a" in table and "| fedrdma-e |" in table
-    _png(run / "fate_path.png")
+    _png(run / png)
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
     assert not [c for c in _children() if "eval_fate_party" in c or "osx_queue" in c]
+    return table
+
+
+@pytest.mark.timeout(150)
+def test_eval_fate_train_quick(can_build: None, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--job train: real FedAvg training with FATE-LLM (tiny GPT-2, LoRA r=4, 1 round x 1 step) in the three sites,
+    FATE's own path and fedrdma-e: compute and comm per round, the same final weights with both, nothing left."""
+    pytest.importorskip("fate.arch.federation.backends.osx.osx_pb2_grpc", reason="FATE's OSX engine is not installed")
+    pytest.importorskip("fate_llm", reason="FATE-LLM is not installed")
+    assert cli_main(["eval", "fate", "--job", "train", "--lora-rank", "0"]) == 2  # LoRA only through the sites
+    assert cli_main(["eval", "fate", "--model", "tiny"]) == 2  # --model belongs to --job train
+    capsys.readouterr()
+    rc = cli_main(["eval", "fate", "--job", "train", "--quick", "--model", "tiny", "--rounds", "1", "--steps-per-round",
+                   "1", "--methods", "fate,fedrdma-e", "--out", str(tmp_path / "train"), "--prefix", prefix])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = _rows(tmp_path / "train")
+    assert [(r["method"], r["row"]) for r in rows] == [("fate", "round"), ("fate", "median"),
+                                                       ("fedrdma-e", "round"), ("fedrdma-e", "median")]
+    for r in rows:
+        assert r["compute_seconds"] > 0 and r["comm_seconds"] > 0 and r["loss_guest"] > 0, r
+        assert r["verified"] and r["model"] == "tiny" and r["measured"]["rtt_median_ms"] >= 9.5, r
+    fate, rdma = [r for r in rows if r["row"] == "median"]
+    assert fate["sha256"] == rdma["sha256"] and rdma["same_weights_as_fate"], "FedAvg must train the same either way"
+    assert fate["queue"]["pushed_bytes"] >= 2 * (fate["up_bytes"] + fate["down_bytes"]) and fate["rdma"] is None
+    assert rdma["emulated"] and sum(s["rdma_transfers"] for s in rdma["rdma"].values()) == 8  # round + warm-up
+    assert all(v > 100 << 20 for v in rdma["peak_rss_bytes"].values()), rdma
+    table = _fate_table(tmp_path / "train", "fate_train_rounds.png", prefix)
+    assert "| **fedrdma-e** | **median** |" in table and "scaled rate 50 Mbit/s" in table
 
 
 def _children() -> list:

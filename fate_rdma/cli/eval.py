@@ -14,6 +14,7 @@ packets on 2 cores cannot carry the paper's 10 Gbit/s x 20 ms, and every row say
   fate-rdma eval stress --quick          # loss 0/0.1/1/5 % and a CPU stress; every transfer verified
   fate-rdma eval fairness --quick        # 3 clients -> 1 arbiter at once: per-client times, slowest vs fastest
   fate-rdma eval fate --quick            # FATE's own path (OSX engine) vs fate-rdma: FedAvg rounds, three sites
+  fate-rdma eval fate --job train --quick  # the same with real GPT-2 LoRA training: compute vs comm per round
   fate-rdma eval cost --quick            # the paper's Table 4 on loopback: time, extra memory, CPU s per side
 
 Exit codes: 0 ok; 1 a transfer failed, was corrupted or (stress) anything was lost; 2 bad usage;
@@ -72,10 +73,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _common(f, "32 MiB per client; quick 4 MiB", "3; quick 1")
     e = sub.add_parser("fate", help="FATE's own path (OSX engine) beside fate-rdma: FedAvg rounds, three sites",
                        formatter_class=fmt, description=_doc("eval_fate"))
-    e.add_argument("--quick", action="store_true", help="50 Mbit/s x 10 ms, LoRA rank 4, 1 round")
+    e.add_argument("--quick", action="store_true",
+                   help="50 Mbit/s x 10 ms, LoRA rank 4, 1 round (--job train: tiny model, 1 step a round)")
+    e.add_argument("--job", choices=("payload", "train"), default="payload",
+                   help="payload (default): FedAvg secure-aggregation rounds of GPT-2-sized weights, no training "
+                        "(bench fate's job); train: real GPT-2 LoRA FedAvg training with FATE-LLM (gpt2_fedavg), "
+                        "compute and communication per round (Figure 7)")
+    e.add_argument("--model", choices=("gpt2", "tiny"), default=None,
+                   help="--job train: GPT-2 124M (GPT2Config(), random init) or a 2-layer GPT-2 (default gpt2; "
+                        "quick tiny)")
+    e.add_argument("--steps-per-round", type=int, default=None,
+                   help="--job train: local optimizer steps per round (default 2; quick 1)")
     e.add_argument("--lora-rank", type=int, default=None,
-                   help="GPT-2 LoRA (c_attn) rank of the payload; 0: GPT-2's full weights (default 16; quick 4)")
-    e.add_argument("--scale", type=float, default=None, help="fraction of each tensor's leading dimension (default 1)")
+                   help="GPT-2 LoRA (c_attn) rank of the payload; 0: GPT-2's full weights, payload job only "
+                        "(default 16; quick 4)")
+    e.add_argument("--scale", type=float, default=None,
+                   help="payload job: fraction of each tensor's leading dimension (default 1)")
     e.add_argument("--rounds", type=int, default=None, help="FedAvg rounds per method (default 3; quick 1)")
     e.add_argument("--rate-mbit", type=float, default=None, help="every site's link rate (default 100; quick 50)")
     e.add_argument("--rtt-ms", type=float, default=None, help="round trip between sites (default 20; quick 10)")
@@ -178,9 +191,14 @@ def _plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
         from ..eval_fate import FULL, QUICK, run_fate
 
         base = QUICK if args.quick else FULL
+        if args.job != "train" and (args.model or args.steps_per_round):
+            raise ValueError("--model and --steps-per-round belong to --job train")
+        if args.job == "train" and args.quick:
+            base = base.with_(job="train", model="tiny", steps_per_round=1)
         plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, loss_pct=args.loss_pct,
                           lora_rank=args.lora_rank, scale=args.scale, rounds=args.rounds,
-                          methods=_csv(args.methods) if args.methods else None)
+                          methods=_csv(args.methods) if args.methods else None, job=args.job, model=args.model,
+                          steps_per_round=args.steps_per_round)
         return lambda **kw: run_fate(plan, **kw), plan, True
     from ..eval_cost import FULL, QUICK, run_cost
 
