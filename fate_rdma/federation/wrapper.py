@@ -9,7 +9,6 @@ FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic canno
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import threading
@@ -92,7 +91,7 @@ class RdmaFederation:
         self._put_copies = RecvBuffers(cfg.put_buffer_bytes)  # recycled as reassembly buffers are
         self._inflight: set = set()
         self._inflight_bytes = 0
-        self._inflight_lock = threading.Lock()
+        self._inflight_lock = threading.Condition()  # notified when a buffered put's sends are all over
         self._deferred: Optional[BaseException] = None
         self._stop = False
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
@@ -238,6 +237,7 @@ class RdmaFederation:
                 if left[0] <= 0:
                     self._inflight_bytes -= nbytes
                     held.clear()  # the copy goes back to the recycled buffers once nothing else holds it
+                self._inflight_lock.notify_all()
 
         with self._inflight_lock:
             self._inflight.update(futs)
@@ -252,13 +252,12 @@ class RdmaFederation:
             raise self._deferred
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
-        """Wait until every buffered put has arrived (or failed); False if some are still under way."""
+        """Wait until every buffered put has arrived (or failed) and its outcome is recorded (room given
+        back, a failure ready to raise); False if some are still under way. Waits on the futures' own
+        callbacks, not on the futures: a future wakes its waiters before it runs its callbacks."""
+        timeout = self.cfg.channel.transfer_timeout_s if timeout_s is None else timeout_s
         with self._inflight_lock:
-            futs = list(self._inflight)
-        if not futs:
-            return True
-        _, pending = concurrent.futures.wait(futs, timeout=self.cfg.channel.transfer_timeout_s if timeout_s is None else timeout_s)
-        return not pending
+            return self._inflight_lock.wait_for(lambda: not self._inflight, timeout)
 
     def _fate_bytes(self, value: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> bytes:
         """What FATE's own serializer makes of `value` (a frame that must take FATE's path after all)."""
