@@ -41,10 +41,10 @@ FULL = Plan()
 QUICK = Plan(rate_mbit=50.0, rtt_ms=10.0, nbytes=4 * MiB, reps=1, measure_s=1.0)
 
 
-def make_testbed(plan: Plan, prefix: str) -> wan.Testbed:
+def make_testbed(plan: Plan, prefix: str, tcp_cc: Optional[str] = None) -> wan.Testbed:
     link = wan.LinkSpec(rate_bps=int(plan.rate_mbit * 1e6), delay_ms=plan.rtt_ms / 2)
     wide = dataclasses.replace(link, rate_bps=2 * int(plan.rate_mbit * 1e6))
-    return wan.Testbed(links=(link, link, wide), prefix=prefix)
+    return wan.Testbed(links=(link, link, wide), prefix=prefix, tcp_cc=tcp_cc)
 
 
 def _rounds(clients: List[SiteProcess], rounds: int, timeout_s: float) -> List[List[Dict[str, Any]]]:
@@ -111,14 +111,14 @@ def _channel(tb: wan.Testbed, t: Transport, plan: Plan, timeout_s: float, secret
 
 
 def run_fairness(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: float = 300.0,
-                 log: Callable[[str], None] = print, command: str = "") -> Path:
+                 log: Callable[[str], None] = print, command: str = "", tcp_cc: Optional[str] = None) -> Path:
     """Both transports; returns the results folder. WanError (after writing it) if a transfer failed."""
     out = results_dir(out_root, "fairness")
     rows = Rows(out)
     failed: List[str] = []
     try:
         # measured from client 1 to the arbiter: the link as a client sees it
-        with secret_file() as secret, testbed(make_testbed(plan, prefix), plan.measure_s, log,
+        with secret_file() as secret, testbed(make_testbed(plan, prefix, tcp_cc), plan.measure_s, log,
                                               src=CLIENT_SITES[0], dst=ARBITER) as bed:
             measured = measured_link(bed.measured)
             for t in TRANSPORTS:

@@ -247,6 +247,17 @@ def _nft_script(tb: Testbed) -> Optional[str]:
                       "    type filter hook forward priority filter; policy accept;", *rules, "  }", "}", ""])
 
 
+def _set_tcp_cc(ns: str, cc: Optional[str]) -> None:
+    """The site's TCP congestion control: `cc`, or the host's default (None). A namespace may pick only
+    among the host's allowed ones (net.ipv4.tcp_allowed_congestion_control)."""
+    cc = cc or Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    if cc not in allowed:
+        raise WanError(f"TCP congestion control {cc!r} is not allowed here (net.ipv4.tcp_allowed_congestion_control: "
+                       f"{' '.join(allowed)}; load its module and add it there)")
+    sh(in_ns(ns, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"]))
+
+
 def _ensure_topology(tb: Testbed, log: Callable[[str], None]) -> None:
     have = set(existing_namespaces(tb.prefix))
     wanted = {tb.router} | {tb.site_ns(i) for i in range(len(tb.links))}
@@ -272,6 +283,7 @@ def _ensure_topology(tb: Testbed, log: Callable[[str], None]) -> None:
                 "netns", ns, "mtu", str(MTU)])
         sh(["ip", "-n", r, "addr", "replace", f"198.18.{i + 1}.1/24", "dev", f"s-{x}"])
         sh(["ip", "-n", ns, "addr", "replace", f"{tb.site_addr(i)}/24", "dev", SITE_DEV])
+        _set_tcp_cc(ns, tb.tcp_cc)
         sh(["ip", "-n", r, "link", "set", f"s-{x}", "up"])
         sh(["ip", "-n", ns, "link", "set", SITE_DEV, "up"])
         sh(["ip", "-n", ns, "route", "replace", "198.18.0.0/15", "via", f"198.18.{i + 1}.1"])

@@ -56,6 +56,7 @@ class Testbed:
     prefix: str = "frwan"
     queue_ms: float = 50.0              # tbf queue = 50 ms of the link's rate: about 2 BDPs at 20 ms RTT
     helper_limit_pkts: int = 20000      # packets the delay helper may hold: 1 Gbit/s x 240 ms of 1500 B
+    tcp_cc: Optional[str] = None        # TCP congestion control in every site (None: the host's default)
 
     def __post_init__(self) -> None:
         if not 2 <= len(self.links) <= len(SITE_NAMES):
@@ -63,6 +64,8 @@ class Testbed:
         check_prefix(self.prefix)
         if not 1 <= self.queue_ms <= 10_000:
             raise WanError("queue_ms must be 1 .. 10000")
+        if self.tcp_cc is not None and not re.fullmatch(r"[a-z0-9_]{1,16}", self.tcp_cc):
+            raise WanError(f"tcp_cc must name a congestion control (e.g. cubic, bbr), got {self.tcp_cc!r}")
 
     @property
     def router(self) -> str:
@@ -81,12 +84,12 @@ class Testbed:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"prefix": self.prefix, "queue_ms": self.queue_ms, "helper_limit_pkts": self.helper_limit_pkts,
-                "links": [dataclasses.asdict(l) for l in self.links]}
+                "tcp_cc": self.tcp_cc, "links": [dataclasses.asdict(l) for l in self.links]}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Testbed":
         return cls(links=tuple(LinkSpec(**l) for l in d["links"]), prefix=d["prefix"], queue_ms=d["queue_ms"],
-                   helper_limit_pkts=d["helper_limit_pkts"])
+                   helper_limit_pkts=d["helper_limit_pkts"], tcp_cc=d.get("tcp_cc"))
 
 
 def check_prefix(prefix: str) -> None:

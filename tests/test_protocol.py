@@ -406,6 +406,15 @@ def test_auto_window_fills_the_bandwidth_delay_product():
         policy.auto_window(1e9, 0.01, 4096, 5, 4)
 
 
+def test_auto_window_keeps_several_bdps_in_flight_over_the_soft_providers_tcp():
+    # 100 Mbit/s x 20 ms = 250 KB = 3.8 chunks of 64 KiB: one BDP on a real QP, six over TCP
+    assert policy.auto_window(100e6, 0.020, 64 << 10, 4, 64, policy.window_bdps("pyverbs")) == 4 + 1
+    assert policy.auto_window(100e6, 0.020, 64 << 10, 4, 64, policy.window_bdps("soft")) == 23 + 1
+    assert policy.auto_window(100e6, 0.0, 64 << 10, 4, 64, policy.window_bdps("soft")) == 4  # loopback: the minimum
+    with pytest.raises(E.LocalProtocolError):
+        policy.auto_window(1e9, 0.01, 4096, 1, 4, 0.0)
+
+
 def test_link_enable_first_chunk():
     assert policy.first_chunk_bytes("auto", 10e9) == policy.LINK_ENABLE_BYTES
     assert policy.first_chunk_bytes("auto", 1e9) == 0

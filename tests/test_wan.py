@@ -151,6 +151,15 @@ def test_failed_up_removes_everything(can_build: None, prefix: str, monkeypatch:
     assert wan.existing_namespaces(prefix) == []
 
 
+def test_tcp_cc_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(wan.WanError, match="must name a congestion control"):
+        wan.Testbed(links=(LINK, LINK), tcp_cc="cubic; rm")
+    assert wan.Testbed.from_dict(wan.Testbed(links=(LINK, LINK), tcp_cc="cubic").to_dict()).tcp_cc == "cubic"
+    monkeypatch.setattr(wan, "sh", lambda *a, **k: pytest.fail("nothing runs for a refused setting"))
+    with pytest.raises(wan.WanError, match="'nosuchcc' is not allowed here"):
+        wan._set_tcp_cc("frx-a", "nosuchcc")
+
+
 def test_cli_usage_errors(capsys: pytest.CaptureFixture) -> None:
     # no root needed: rejected before anything is made
     assert cli_main(["wan", "up", "--link", "z:rate_mbit=5"]) == 2
@@ -247,7 +256,7 @@ def test_eval_stress_fairness_quick(can_build: None, prefix: str, tmp_path: Path
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
 
     rc = cli_main(["eval", "fairness", "--quick", "--bytes", str(1 << 20), "--out", str(tmp_path / "fair"),
-                   "--prefix", prefix])
+                   "--prefix", prefix, "--tcp-cc", "cubic"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     rows = _rows(tmp_path / "fair")
@@ -258,6 +267,7 @@ def test_eval_stress_fairness_quick(can_build: None, prefix: str, tmp_path: Path
     summary = [r for r in rows if r["row"] == "summary"]
     assert len(summary) == 2 and all(r["median_gap"] >= 0 and 0 < r["median_jain"] <= 1.0001 for r in summary)
     assert "clients 2 and 3 share site c" in out.out
+    assert all(r["measured"]["tcp_cc"] == "cubic" for r in rows), rows  # the sites run the one asked for
     (run,) = list((tmp_path / "fair").iterdir())
     _png(run / "fairness.png")
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []

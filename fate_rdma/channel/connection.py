@@ -26,7 +26,7 @@ from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachab
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
 from ..protocol.policy import (AUTO_QPS_MAX, NOMINAL_RATE_BPS, Mode, auto_qps, auto_window, choose_mode,
-                               first_chunk_bytes)
+                               first_chunk_bytes, window_bdps)
 from .checksum import integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
@@ -227,7 +227,8 @@ class Connection:
         cfg = self.cfg
         if isinstance(cfg.window, int):
             return cfg.window
-        return auto_window(self._rate_bps(), self.probe.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window, cfg.max_window)
+        return auto_window(self._rate_bps(), self.probe.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window, cfg.max_window,
+                           window_bdps(self.endpoint.ctx.provider))
 
     def _start(self, o: Outgoing) -> bool:
         """Make `o` the active transfer; False if it must wait (no free slot yet)."""

@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f = sub.add_parser("fairness", help="3 clients send to one arbiter at once: per-client times, slowest vs fastest",
                        formatter_class=fmt, description=_doc("eval_fairness"))
     _one_link(f, "the arbiter's link rate", "round trip client <-> arbiter", "fedrdma-e chunk", " per client")
+    f.add_argument("--tcp-cc", default=None, metavar="NAME",
+                   help="TCP congestion control in the sites (e.g. cubic, bbr; default: the host's). fate-rdma's "
+                        "soft provider and the TCP baseline both run over it, and fairness depends on it")
     _common(f, "32 MiB per client; quick 4 MiB", "3; quick 1")
     e = sub.add_parser("fate", help="FATE's own path (OSX engine) beside fate-rdma: FedAvg rounds, three sites",
                        formatter_class=fmt, description=_doc("eval_fate"))
@@ -186,7 +189,7 @@ def _plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
         base = QUICK if args.quick else FULL
         plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, nbytes=args.bytes, reps=args.reps,
                           chunk_bytes=args.chunk_bytes)
-        return lambda **kw: run_fairness(plan, **kw), plan, True
+        return lambda **kw: run_fairness(plan, tcp_cc=args.tcp_cc, **kw), plan, True
     if act == "fate":
         from ..eval_fate import FULL, QUICK, run_fate
 

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--link", action="append", default=[], metavar="SITE:KEY=V,...",
                    help=f"override one site's link; keys {', '.join(sorted(LINK_KEYS))} (repeatable)")
     u.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue length as time at the link's rate")
+    u.add_argument("--tcp-cc", default=None, metavar="NAME",
+                   help="TCP congestion control in every site (e.g. cubic, bbr; default: the host's)")
     u.add_argument("--measure-seconds", type=float, default=2.0, help="TCP stream length of the measurement (0: RTT only)")
     u.add_argument("--no-measure", action="store_true", help="skip the measurement")
     _common(u)
@@ -152,7 +154,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.wan_action == "up":
             try:
-                tb = wan.Testbed(links=tuple(_links(args)), prefix=prefix, queue_ms=args.queue_ms)
+                tb = wan.Testbed(links=tuple(_links(args)), prefix=prefix, queue_ms=args.queue_ms,
+                                 tcp_cc=args.tcp_cc)
             except (ValueError, wan.WanError) as exc:
                 print(f"fate-rdma wan up: {exc}", file=sys.stderr)
                 return 2
