@@ -6,8 +6,9 @@ clients there are not held back by the link they share: the one bottleneck is th
 (every path's rate is the slower of its two access links), which the three flows must share. All
 links have the same delay (RTT client <-> arbiter = --rtt-ms).
 
-Per transport (one TCP stream per client, a new connection per transfer; fedrdma-e with the automatic
-window, one endpoint per client and one at the arbiter), every client gets ready (connected,
+Per transport (one TCP stream per client, a new connection per transfer; the same on one connection
+kept for every round, as fate-rdma keeps its QPs; fedrdma-e with the automatic window, one endpoint
+per client and one at the arbiter), every client gets ready (connected,
 authenticated, RTT probed), then all start at the same wall-clock instant (one clock: the sites are
 namespaces of one machine) and each times its transfer until the arbiter holds it verified. A first
 simultaneous round is an untimed warm-up. Per round: the gap = (slowest - fastest) / fastest
@@ -31,7 +32,10 @@ from .wan_run import SiteProcess, link_rx_bytes
 
 ARBITER = 0
 CLIENT_SITES = (1, 2, 2)          # b, c, c: two clients share site c (the testbed has three sites)
-TRANSPORTS = (Transport("tcp stream", "tcp"), Transport("fedrdma-e auto", "channel", "fedrdma-e", "auto"))
+#: "tcp stream" opens a connection per transfer (slow start each round); "tcp kept" keeps one per client
+#: for every round, as fate-rdma keeps its QPs: the baseline that carries the same TCP state across rounds
+TRANSPORTS = (Transport("tcp stream", "tcp"), Transport("tcp kept", "tcp-kept"),
+              Transport("fedrdma-e auto", "channel", "fedrdma-e", "auto"))
 START_MARGIN_S = 0.3              # "go" names an instant this far ahead: every client has read it by then
 TARGET_GAP = 0.10
 
@@ -63,13 +67,14 @@ def tell_go(proc: SiteProcess, at: float) -> None:
     proc.proc.stdin.flush()  # type: ignore[union-attr]
 
 
-def _tcp(tb: wan.Testbed, plan: Plan, timeout_s: float) -> List[List[Dict[str, Any]]]:
+def _tcp(tb: wan.Testbed, plan: Plan, timeout_s: float, keep: bool = False) -> List[List[Dict[str, Any]]]:
     rounds = plan.reps + 1
     with SiteProcess(tb, ARBITER, ["serve", "--host", tb.site_addr(ARBITER),
                                    "--deadline-s", str(timeout_s * (rounds + 1))]) as srv:
         addr = srv.line(30)["address"]
         clients = [SiteProcess(tb, s, ["tcp-send", "--to", addr, "--bytes", str(plan.nbytes), "--seed", str(100 + i),
-                                       "--reps", str(rounds), "--wait-go", "--timeout-s", str(timeout_s)])
+                                       "--reps", str(rounds), "--wait-go", "--timeout-s", str(timeout_s),
+                                       *(["--keep"] if keep else [])])
                    for i, s in enumerate(CLIENT_SITES)]
         try:
             for c in clients:
@@ -124,7 +129,8 @@ def run_fairness(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: 
             for t in TRANSPORTS:
                 before = link_rx_bytes(bed.tb, CLIENT_SITES[0])
                 try:
-                    got = _tcp(bed.tb, plan, timeout_s) if t.kind == "tcp" else _channel(bed.tb, t, plan, timeout_s, secret)
+                    got = _tcp(bed.tb, plan, timeout_s, t.kind == "tcp-kept") if t.kind.startswith("tcp") \
+                        else _channel(bed.tb, t, plan, timeout_s, secret)
                 except wan.WanError as exc:
                     failed.append(f"{t.name}: {exc}")
                     log(f"  {t.name}: FAILED: {exc}")

@@ -80,9 +80,37 @@ def _stdin_closed_or(deadline: float) -> None:
 
 
 # -- serve: UDP echo + TCP sink ---------------------------------------------------------------------
+KEEP_MAGIC = b"FRKEEP01"      # a kept stream's first bytes: then transfers framed as 8-byte length + bytes
+_LEN = struct.Struct("!Q")
+
+
+def _sink_kept(conn: socket.socket, buf: bytearray) -> None:
+    """One kept connection, many transfers: a JSON line after each (framed by length)."""
+    while True:
+        head = conn.recv(_LEN.size, socket.MSG_WAITALL)
+        if len(head) < _LEN.size:
+            return
+        (left,), total, crc, t0 = _LEN.unpack(head), 0, 0, time.perf_counter()
+        while left:
+            n = conn.recv_into(buf, min(left, len(buf)))
+            if not n:
+                return
+            crc, total, left = crc32c.crc32c(memoryview(buf)[:n], crc), total + n, left - n
+        conn.sendall(json.dumps({"bytes": total, "crc32c": crc, "seconds": time.perf_counter() - t0}).encode() + b"\n")
+
+
 def _sink(conn: socket.socket, idle_timeout_s: float) -> None:
     conn.settimeout(idle_timeout_s)
     buf = bytearray(STREAM_BUF_BYTES)
+    try:
+        if conn.recv(len(KEEP_MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL) == KEEP_MAGIC:
+            conn.recv(len(KEEP_MAGIC), socket.MSG_WAITALL)
+            _sink_kept(conn, buf)
+            conn.close()
+            return
+    except OSError:
+        conn.close()
+        return
     total, crc, t0 = 0, 0, None
     try:
         while True:
@@ -178,6 +206,24 @@ def rtt_probe(to: Tuple[str, int], count: int, timeout_s: float) -> Dict[str, An
     return out
 
 
+def tcp_kept(conn: socket.socket, data: bytes) -> Dict[str, Any]:
+    """One transfer over a kept connection (KEEP_MAGIC already sent); the sink's report back."""
+    t0 = time.perf_counter()
+    conn.sendall(_LEN.pack(len(data)))
+    mv = memoryview(data)
+    for off in range(0, len(data), STREAM_BUF_BYTES):
+        conn.sendall(mv[off:off + STREAM_BUF_BYTES])
+    reply = b""
+    while not reply.endswith(b"\n"):
+        part = conn.recv(4096)
+        if not part:
+            raise ConnectionError("the TCP sink closed without a report")
+        reply += part
+    dt, sink, crc = time.perf_counter() - t0, json.loads(reply), crc32c.crc32c(data)
+    return {"bytes": len(data), "crc32c": crc, "seconds": dt, "bps": len(data) * 8 / dt if dt > 0 else 0.0,
+            "sink": sink, "ok": sink["bytes"] == len(data) and sink["crc32c"] == crc}
+
+
 def tcp_stream(to: Tuple[str, int], data: Optional[bytes], seconds: float, timeout_s: float) -> Dict[str, Any]:
     """Send `data` (or a repeated buffer for `seconds`) over one TCP connection; the sink's report back.
 
@@ -260,32 +306,6 @@ def channel_send(args: argparse.Namespace) -> int:
             dt = time.perf_counter() - t0
             emit({"rep": rep, "bytes": len(data), "crc32c": crc, "seconds": dt, "bps": len(data) * 8 / dt,
                   "label": ep.label, "address": ep.address, "info": info if isinstance(info, dict) else repr(info)})
-    return 0
-
-
-# -- Mooncake Transfer Engine, one side, driven over stdin ------------------------------------------
-def mooncake_side(args: argparse.Namespace) -> int:
-    """The engine of fate_rdma.bench.mooncake_peer (TCP transport, P2PHANDSHAKE), commanded by JSON lines
-    on stdin instead of a bootstrap socket (a site namespace cannot reach one in the host namespace)."""
-    from .bench.mooncake_peer import _Side, version
-
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # a dozen INFO lines per transfer otherwise
-    side = _Side(args.role, args.host, args.bytes, args.seed)
-    emit({"ready": True, "session": side.session, "addr": side.addr, "version": version(),
-          "crc32c": crc32c.crc32c(side.buf) if args.role == "send" else None})
-    for line in sys.stdin:  # until the parent closes stdin
-        cmd = json.loads(line)
-        op = cmd.get("cmd")
-        if op == "write":
-            r = side.write(cmd["target"], int(cmd["dst_addr"]), int(cmd["nbytes"]), int(cmd.get("chunk_bytes", 0)))
-            emit(r if r.get("ok") else {"error": r.get("error", "write failed")})
-        elif op == "fill":
-            side.buf.fill(int(cmd.get("value", 0)))
-            emit({"ok": True})
-        elif op == "crc":
-            emit({"crc32c": crc32c.crc32c(side.buf[:int(cmd["nbytes"])])})
-        else:
-            emit({"error": f"unknown command {op!r}"})
     return 0
 
 
@@ -386,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout-s", type=float, default=60.0)
     t.add_argument("--reps", type=int, default=1, help="transfers, each on a new connection, one JSON line each")
     t.add_argument("--wait-go", action="store_true", help="print ready, then wait for 'go T' before each transfer")
+    t.add_argument("--keep", action="store_true", help="one connection for every transfer (opened before ready)")
     mc = sub.add_parser("mooncake")
     mc.add_argument("--role", required=True, choices=["recv", "send"])
     mc.add_argument("--host", required=True, help="this site's address (the engine's local server name)")
@@ -433,18 +454,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if args.cmd == "tcp-send":
             data = payload(args.bytes, args.seed)
+            kept = socket.create_connection(args.to, timeout=args.timeout_s) if args.keep else None
+            if kept is not None:
+                kept.sendall(KEEP_MAGIC)
             if args.wait_go:
                 emit({"ready": True, "crc32c": crc32c.crc32c(data)})
             for _ in range(args.reps):
                 if args.wait_go:
                     wait_go()
-                out = tcp_stream(args.to, data, 0.0, args.timeout_s)
+                out = tcp_kept(kept, data) if kept is not None else tcp_stream(args.to, data, 0.0, args.timeout_s)
                 emit(out)
                 if not out["ok"]:
                     return 1
             return 0
         if args.cmd == "mooncake":
-            return mooncake_side(args)
+            from .bench.mooncake_peer import stdin_side
+
+            return stdin_side(args.role, args.host, args.bytes, args.seed, emit)
         if args.cmd == "burn":
             return burn(args.deadline_s)
         if args.cmd == "channel-recv":

@@ -262,10 +262,10 @@ def test_eval_stress_fairness_quick(can_build: None, prefix: str, tmp_path: Path
     rows = _rows(tmp_path / "fair")
     clients = [r for r in rows if r["row"] == "client"]
     assert [(r["transport"], r["client"], r["site"]) for r in clients] == [
-        (t, i, s) for t in ("tcp stream", "fedrdma-e auto") for i, s in ((1, "b"), (2, "c"), (3, "c"))]
+        (t, i, s) for t in ("tcp stream", "tcp kept", "fedrdma-e auto") for i, s in ((1, "b"), (2, "c"), (3, "c"))]
     assert all(r["verified"] and r["received_bytes"] == 1 << 20 and r["median_s"] > 0 for r in clients), clients
     summary = [r for r in rows if r["row"] == "summary"]
-    assert len(summary) == 2 and all(r["median_gap"] >= 0 and 0 < r["median_jain"] <= 1.0001 for r in summary)
+    assert len(summary) == 3 and all(r["median_gap"] >= 0 and 0 < r["median_jain"] <= 1.0001 for r in summary)
     assert "clients 2 and 3 share site c" in out.out
     assert all(r["measured"]["tcp_cc"] == "cubic" for r in rows), rows  # the sites run the one asked for
     (run,) = list((tmp_path / "fair").iterdir())

@@ -110,6 +110,32 @@ class _Side:
         return {"ok": True, "seconds": seconds, "cpu_s": cpu}
 
 
+def stdin_side(role: str, host: str, nbytes: int, seed: int, emit: Any) -> int:
+    """One side's engine commanded by JSON lines on stdin, its answers through `emit` (a WAN testbed
+    site, `python -m fate_rdma.wan_probe mooncake`: a namespace cannot reach a bootstrap socket in the
+    host namespace). Runs until the parent closes stdin."""
+    import json
+
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # a dozen INFO lines per transfer otherwise
+    side = _Side(role, host, nbytes, seed)
+    emit({"ready": True, "session": side.session, "addr": side.addr, "version": version(),
+          "crc32c": crc32c.crc32c(side.buf) if role == "send" else None})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.get("cmd")
+        if op == "write":
+            r = side.write(cmd["target"], int(cmd["dst_addr"]), int(cmd["nbytes"]), int(cmd.get("chunk_bytes", 0)))
+            emit(r if r.get("ok") else {"error": r.get("error", "write failed")})
+        elif op == "fill":
+            side.buf.fill(int(cmd.get("value", 0)))
+            emit({"ok": True})
+        elif op == "crc":
+            emit({"crc32c": crc32c.crc32c(side.buf[:int(cmd["nbytes"])])})
+        else:
+            emit({"error": f"unknown command {op!r}"})
+    return 0
+
+
 def serve(host: str, port: int) -> int:
     conn = ev.connect(host, port, timeout_s=30)
     side: Optional[_Side] = None
