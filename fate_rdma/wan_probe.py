@@ -210,18 +210,30 @@ def tcp_kept(conn: socket.socket, data: bytes) -> Dict[str, Any]:
     """One transfer over a kept connection (KEEP_MAGIC already sent); the sink's report back."""
     t0 = time.perf_counter()
     conn.sendall(_LEN.pack(len(data)))
+    _send_all(conn, data)
+    return _result(len(data), crc32c.crc32c(data), time.perf_counter() - t0, _report(conn))
+
+
+def _send_all(s: socket.socket, data: bytes) -> None:
     mv = memoryview(data)
     for off in range(0, len(data), STREAM_BUF_BYTES):
-        conn.sendall(mv[off:off + STREAM_BUF_BYTES])
+        s.sendall(mv[off:off + STREAM_BUF_BYTES])
+
+
+def _report(s: socket.socket) -> Dict[str, Any]:
+    """The sink's JSON line."""
     reply = b""
     while not reply.endswith(b"\n"):
-        part = conn.recv(4096)
+        part = s.recv(4096)
         if not part:
             raise ConnectionError("the TCP sink closed without a report")
         reply += part
-    dt, sink, crc = time.perf_counter() - t0, json.loads(reply), crc32c.crc32c(data)
-    return {"bytes": len(data), "crc32c": crc, "seconds": dt, "bps": len(data) * 8 / dt if dt > 0 else 0.0,
-            "sink": sink, "ok": sink["bytes"] == len(data) and sink["crc32c"] == crc}
+    return json.loads(reply)
+
+
+def _result(total: int, crc: int, dt: float, sink: Dict[str, Any]) -> Dict[str, Any]:
+    return {"bytes": total, "crc32c": crc, "seconds": dt, "bps": total * 8 / dt if dt > 0 else 0.0,
+            "sink": sink, "ok": sink["bytes"] == total and sink["crc32c"] == crc}
 
 
 def tcp_stream(to: Tuple[str, int], data: Optional[bytes], seconds: float, timeout_s: float) -> Dict[str, Any]:
@@ -234,9 +246,7 @@ def tcp_stream(to: Tuple[str, int], data: Optional[bytes], seconds: float, timeo
         s.settimeout(timeout_s)
         t0 = time.perf_counter()
         if data is not None:
-            mv = memoryview(data)
-            for off in range(0, len(data), STREAM_BUF_BYTES):
-                s.sendall(mv[off:off + STREAM_BUF_BYTES])
+            _send_all(s, data)
             total, crc = len(data), crc32c.crc32c(data)
         else:
             while time.perf_counter() - t0 < seconds:
@@ -244,16 +254,9 @@ def tcp_stream(to: Tuple[str, int], data: Optional[bytes], seconds: float, timeo
                 total += len(chunk)
                 crc = crc32c.crc32c(chunk, crc)
         s.shutdown(socket.SHUT_WR)
-        reply = b""
-        while not reply.endswith(b"\n"):
-            part = s.recv(4096)
-            if not part:
-                raise ConnectionError("the TCP sink closed without a report")
-            reply += part
+        sink = _report(s)
         dt = time.perf_counter() - t0
-    sink = json.loads(reply)
-    return {"bytes": total, "crc32c": crc, "seconds": dt, "bps": total * 8 / dt if dt > 0 else 0.0,
-            "sink": sink, "ok": sink["bytes"] == total and sink["crc32c"] == crc}
+    return _result(total, crc, dt, sink)
 
 
 # -- fate-rdma channel ------------------------------------------------------------------------------
