@@ -42,6 +42,7 @@ class ChannelConfig:
     #: 4 MiB: the paper's best chunk from 4 Gbit/s up; small enough to survive a lossy WAN per chunk
     chunk_bytes: int = 4 * MiB
     #: chunks in flight; "auto" = bandwidth-delay product / chunk (+1), from an RTT probe at connect time
+    #: (the soft provider: 6 BDPs, policy.WINDOW_BDPS)
     window: Union[int, str] = "auto"
     #: upper bound of the automatic window; 64 x 4 MiB = 256 MiB covers 10 Gbit/s x 200 ms
     max_window: int = 64
