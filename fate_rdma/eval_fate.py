@@ -85,6 +85,7 @@ class Plan:
     job: str = "payload"       # payload: fate_job's rounds (no training); train: gpt2_fedavg's training
     model: str = "gpt2"        # train job: gpt2 (124M) or tiny
     steps_per_round: int = 2   # train job: local optimizer steps per round
+    device: str = "cpu"        # train job: cpu, or cuda (every party's training; the sites share the GPU)
 
     def with_(self, **kw: Any) -> "Plan":
         p = replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -98,9 +99,11 @@ class Plan:
         if p.job not in JOBS:
             raise ValueError(f"--job: payload or train, not {p.job!r}")
         if p.job == "train" and (p.lora_rank < 1 or p.scale != 1 or p.model not in ("gpt2", "tiny")
-                                 or p.steps_per_round < 1):
+                                 or p.steps_per_round < 1 or p.device not in ("cpu", "cuda")):
             raise ValueError("--job train: --lora-rank >= 1 (LoRA on c_attn; no full fine-tune through the sites), "
-                             "no --scale, --model gpt2 or tiny, --steps-per-round >= 1")
+                             "no --scale, --model gpt2 or tiny, --steps-per-round >= 1, --device cpu or cuda")
+        if p.job != "train" and p.device != "cpu":
+            raise ValueError("--device belongs to --job train (the payload job trains nothing)")
         # FATE's own path first: it is the reference of the ratios and of the trained weights
         return replace(p, methods=tuple(m for m in METHODS if m in p.methods))
 
@@ -188,7 +191,7 @@ def run_method(tb: wan.Testbed, method: str, plan: Plan, secret: str, folder: Pa
             common = ["--fed-id", fed_id, "--data-dir", data_dir, "--osx", addr, "--section", json.dumps(sec),
                       "--out", str(out), "--rounds", str(plan.rounds), "--scale", str(plan.scale),
                       "--lora-rank", str(plan.lora_rank), "--deadline-s", str(timeout_s), "--job", plan.job,
-                      "--model", plan.model, "--steps-per-round", str(plan.steps_per_round)]
+                      "--model", plan.model, "--steps-per-round", str(plan.steps_per_round), "--device", plan.device]
             procs = {role: SiteProcess(tb, site, [role, *common], module="fate_rdma.eval_fate_party")
                      for role, site in SITES.items()}
             deadline = time.monotonic() + timeout_s + 30

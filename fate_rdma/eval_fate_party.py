@@ -125,7 +125,7 @@ def job_argv(args: argparse.Namespace) -> List[str]:
               "--out", args.out]
     if args.job == "train":  # one torch thread per party: three parties share this machine's cores
         return ["gpt2_fedavg", *common, "--model", args.model, "--steps_per_round", str(args.steps_per_round),
-                "--threads", "1"]
+                "--threads", "1", "--device", args.device]
     return ["fate_job", *common, "--scale", str(args.scale)]
 
 
@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--model", choices=("gpt2", "tiny"), default="gpt2", help="train job: GPT-2 124M or tiny")
     p.add_argument("--steps-per-round", type=int, default=2, help="train job: local optimizer steps per round")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="train job: where the parties train")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-message-bytes", type=int, default=(2 << 30) - 1)
     p.add_argument("--deadline-s", type=float, default=600.0, help="stop (stacks to the log) after this long")

@@ -34,7 +34,8 @@ def train_rows(method: str, got: Dict[str, Any], plan: Plan, measured: Dict[str,
     up, down = plan.client_bytes()
     crossed = sum(v["up"] for v in got["link_bytes"].values())  # each packet between sites: once up
     common = {"study": "fate-train", "job": "train", "method": method, "path": PATHS[method], "machine": machine(),
-              "payload": plan.payload, "model": plan.model, "lora_rank": plan.lora_rank, "rounds_asked": plan.rounds,
+              "payload": plan.payload, "model": plan.model, "device": plan.device, "lora_rank": plan.lora_rank,
+              "rounds_asked": plan.rounds,
               "sites": {role: wan.SITE_NAMES[s] for role, s in SITES.items()},
               "queue_site": wan.SITE_NAMES[QUEUE_SITE], "measured": measured, "note": wan.testbed_note(tb, (1, 0)),
               "link": {"rate_mbit": plan.rate_mbit, "rtt_ms": plan.rtt_ms, "loss_pct": plan.loss_pct},
@@ -99,7 +100,7 @@ def train_markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str, fai
         *setup_lines(plan, meds),
         f"job: {model} + peft LoRA r={plan.lora_rank} on c_attn, FedAvg with FATE-LLM (Seq2SeqFedAVGClient/Server, "
         f"FATE's secure aggregation; fate_rdma.llm.gpt2_fedavg), {plan.rounds} round(s) x {plan.steps_per_round} "
-        f"local steps of 2 x 48 tokens, CPU, 1 torch thread per party; load average (1 min) after each method "
+        f"local steps of 2 x 48 tokens, {plan.device.upper()}, 1 torch thread per party; load average (1 min) after each method "
         + (f"{loads[0]:.2f} - {loads[-1]:.2f}" if loads else "-"),
         f"payload per client per round: {_bytes(up)} up (mixed float64, 16 B a trainable parameter) / "
         f"{_bytes(down)} down (the float64 average); before the job, one untimed 1 MiB warm-up exchange each way "
@@ -170,7 +171,7 @@ def write_train_plot(rows: Sequence[Dict[str, Any]], plan: Plan, path: Path) -> 
     ax.set_xticks([t[0] for t in ticks], [t[1] for t in ticks], fontsize=7)
     ax.set_ylabel("seconds per round")
     ax.legend(fontsize=7, loc="upper left")
-    ax.set_title(f"{plan.payload}; {plan.steps_per_round} local steps a round, CPU\n{plan.rate_mbit:g} Mbit/s x "
+    ax.set_title(f"{plan.payload}; {plan.steps_per_round} local steps a round, {plan.device.upper()}\n{plan.rate_mbit:g} Mbit/s x "
                  f"{plan.rtt_ms:g} ms RTT testbed: real packets, scaled rate\nsoft provider = emulation, not RDMA; "
                  "FATE: OSX engine through the project's test queue, not a real OSX", fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)

@@ -357,9 +357,11 @@ def test_eval_fate_train_quick(can_build: None, prefix: str, tmp_path: Path, cap
     pytest.importorskip("fate_llm", reason="FATE-LLM is not installed")
     assert cli_main(["eval", "fate", "--job", "train", "--lora-rank", "0"]) == 2  # LoRA only through the sites
     assert cli_main(["eval", "fate", "--model", "tiny"]) == 2  # --model belongs to --job train
+    assert cli_main(["eval", "fate", "--device", "cuda"]) == 2  # and --device: the payload job trains nothing
     capsys.readouterr()
     rc = cli_main(["eval", "fate", "--job", "train", "--quick", "--model", "tiny", "--rounds", "1", "--steps-per-round",
-                   "1", "--methods", "fate,fedrdma-e", "--out", str(tmp_path / "train"), "--prefix", prefix])
+                   "1", "--methods", "fate,fedrdma-e", "--device", "cpu", "--out", str(tmp_path / "train"),
+                   "--prefix", prefix])
     out = capsys.readouterr()
     assert rc == 0, out.err
     rows = _rows(tmp_path / "train")
@@ -367,7 +369,7 @@ def test_eval_fate_train_quick(can_build: None, prefix: str, tmp_path: Path, cap
                                                        ("fedrdma-e", "round"), ("fedrdma-e", "median")]
     for r in rows:
         assert r["compute_seconds"] > 0 and r["comm_seconds"] > 0 and r["loss_guest"] > 0, r
-        assert r["verified"] and r["model"] == "tiny" and r["measured"]["rtt_median_ms"] >= 9.5, r
+        assert r["verified"] and r["model"] == "tiny" and r["device"] == "cpu" and r["measured"]["rtt_median_ms"] >= 9.5, r
     fate, rdma = [r for r in rows if r["row"] == "median"]
     assert fate["sha256"] == rdma["sha256"] and rdma["same_weights_as_fate"], "FedAvg must train the same either way"
     assert fate["queue"]["pushed_bytes"] >= 2 * (fate["up_bytes"] + fate["down_bytes"]) and fate["rdma"] is None

@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "quick tiny)")
     e.add_argument("--steps-per-round", type=int, default=None,
                    help="--job train: local optimizer steps per round (default 2; quick 1)")
+    e.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="--job train: where the three parties train (default cpu; cuda: the same run and table on a "
+                        "CUDA machine, the parties sharing its GPU)")
     e.add_argument("--lora-rank", type=int, default=None,
                    help="GPT-2 LoRA (c_attn) rank of the payload; 0: GPT-2's full weights, payload job only "
                         "(default 16; quick 4)")
@@ -194,14 +197,14 @@ def _plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
         from ..eval_fate import FULL, QUICK, run_fate
 
         base = QUICK if args.quick else FULL
-        if args.job != "train" and (args.model or args.steps_per_round):
-            raise ValueError("--model and --steps-per-round belong to --job train")
+        if args.job != "train" and (args.model or args.steps_per_round or args.device):
+            raise ValueError("--model, --steps-per-round and --device belong to --job train")
         if args.job == "train" and args.quick:
             base = base.with_(job="train", model="tiny", steps_per_round=1)
         plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, loss_pct=args.loss_pct,
                           lora_rank=args.lora_rank, scale=args.scale, rounds=args.rounds,
                           methods=_csv(args.methods) if args.methods else None, job=args.job, model=args.model,
-                          steps_per_round=args.steps_per_round)
+                          steps_per_round=args.steps_per_round, device=args.device)
         return lambda **kw: run_fate(plan, **kw), plan, True
     from ..eval_cost import FULL, QUICK, run_cost
 
