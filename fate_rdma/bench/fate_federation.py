@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of LoRA ranks: GPT-2 LoRA (c_attn) payloads instead of full weights, one "
                         "pair of jobs per rank (the FedRDMA paper's Table 3), e.g. 4,8,16,32,64,128,256,512,1024")
     p.add_argument("--mode", default="fedrdma", choices=["fedrdma", "fedrdma-e"],
-                   help="channel mode (default fedrdma: FedRDMA-E would pin a ~2 GB slot per peer here)")
+                   help="channel mode (default fedrdma, as the README's figures and the demo; fedrdma-e's slots "
+                        "grow to the payload: ~2 GB per client at the arbiter at full size)")
     p.add_argument("--methods", default="fate,fate-rdma", help="comma list of fate, fate-rdma")
     p.add_argument("--provider", default="auto", help="verbs provider for fate-rdma (auto, soft, pyverbs)")
     p.add_argument("--path", default="tcp", choices=["tcp", "same-host", "both"],
