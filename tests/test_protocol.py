@@ -512,3 +512,18 @@ def test_auto_qps_uses_every_qp_on_a_long_path_only():
     assert auto_qps(0.0002, 4) == 1  # loopback, one site
     assert auto_qps(LONG_PATH_RTT_S, 4) == 4 and auto_qps(0.08, 4) == 4
     assert auto_qps(0.08, 1) == 1 and auto_qps(0.08, 0) == 1  # the peer offered fewer
+
+
+def test_the_paths_rate_window_and_qps_in_use():
+    class Model:
+        rate_bps = 1e9
+
+    assert policy.path_rate_bps(5e8, Model()) == 5e8  # configured wins
+    assert policy.path_rate_bps(None, Model()) == 1e9  # then the soft link model's
+    assert policy.path_rate_bps(None, None) == policy.NOMINAL_RATE_BPS
+    assert policy.window_for(3, 100e6, 0.020, 64 << 10, 4, 64, "soft") == 3  # a configured window stands
+    assert policy.window_for("auto", 100e6, 0.020, 64 << 10, 4, 64, "soft") == 24
+    assert policy.window_for("auto", 100e6, 0.020, 64 << 10, 4, 64, "pyverbs") == 5
+    assert policy.qps_in_use(2, 0.05, 2) == 2
+    assert policy.qps_in_use("auto", None, 4) == 1  # until the probe has measured the RTT
+    assert policy.qps_in_use("auto", 0.05, 4) == 4 and policy.qps_in_use("auto", 0.001, 4) == 1

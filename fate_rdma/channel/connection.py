@@ -25,8 +25,8 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.policy import (AUTO_QPS_MAX, NOMINAL_RATE_BPS, Mode, auto_qps, auto_window, choose_mode,
-                               first_chunk_bytes, window_bdps)
+from ..protocol.policy import (AUTO_QPS_MAX, Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use,
+                               window_for)
 from .checksum import integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
@@ -126,11 +126,6 @@ class Connection:
         """Bytes of this side's FedRDMA-E receive slots registered now (they follow the traffic)."""
         return self.mem.pool_bytes if self.mem is not None else 0
 
-    @property
-    def rtt_s(self) -> Optional[float]:
-        """The connection's round-trip time, once the probe has measured it."""
-        return self.probe.rtt_s
-
     def _post_recv(self, qp_idx: int, k: int) -> None:
         self.rcs[qp_idx].qp.post_recv(self.mem.recv_sge(qp_idx, k), wr_id=RECV_TAG | (qp_idx << 20) | k)  # type: ignore[union-attr]
 
@@ -218,17 +213,12 @@ class Connection:
                 fut.set_exception(TransferCancelled(f"transfer {fut.transfer_id} cancelled before it started", fut.transfer_id))
 
     def _rate_bps(self) -> float:
-        if self.cfg.link_rate_bps:
-            return self.cfg.link_rate_bps
-        model = getattr(self.endpoint.ctx, "link_model", None)
-        return model.rate_bps if model is not None and model.rate_bps else NOMINAL_RATE_BPS
+        return path_rate_bps(self.cfg.link_rate_bps, getattr(self.endpoint.ctx, "link_model", None))
 
     def _window(self) -> int:
         cfg = self.cfg
-        if isinstance(cfg.window, int):
-            return cfg.window
-        return auto_window(self._rate_bps(), self.probe.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window, cfg.max_window,
-                           window_bdps(self.endpoint.ctx.provider))
+        return window_for(cfg.window, self._rate_bps(), self.probe.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window,
+                          cfg.max_window, self.endpoint.ctx.provider)
 
     def _start(self, o: Outgoing) -> bool:
         """Make `o` the active transfer; False if it must wait (no free slot yet)."""
@@ -273,11 +263,8 @@ class Connection:
 
     @property
     def active_qps(self) -> int:
-        """The QPs chunks are striped over: all of them, or under qps_per_peer "auto" what the
-        measured RTT calls for (one until the probe has measured it)."""
-        if self.cfg.qps_per_peer != "auto":
-            return len(self.rcs)
-        return auto_qps(self.probe.rtt_s, len(self.rcs)) if self.probe.rtt_s is not None else 1
+        """The QPs chunks are striped over now (policy.qps_in_use)."""
+        return qps_in_use(self.cfg.qps_per_peer, self.probe.rtt_s, len(self.rcs))
 
     def next_qp(self) -> ev.QP:
         self._rr = (self._rr + 1) % self.active_qps

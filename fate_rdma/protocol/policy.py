@@ -5,7 +5,7 @@ how far a FedRDMA-E slot grows, and the sender's credit for the peer's FedRDMA s
 from __future__ import annotations
 
 import enum
-from typing import List, Optional, Set
+from typing import List, Optional, Set, Union
 
 from ..errors import ConfigError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
 
@@ -83,6 +83,20 @@ def window_bdps(provider: str) -> float:
     return WINDOW_BDPS.get(provider, DEFAULT_WINDOW_BDPS)
 
 
+def path_rate_bps(configured_bps: Optional[float], link_model: object) -> float:
+    """The rate the window and Link-Enable assume for a path: the configured one, else the soft link
+    model's, else NOMINAL_RATE_BPS."""
+    return configured_bps or getattr(link_model, "rate_bps", None) or NOMINAL_RATE_BPS
+
+
+def window_for(window: Union[int, str], rate_bps: float, rtt_s: float, chunk_bytes: int, min_window: int,
+               max_window: int, provider: str) -> int:
+    """Chunks in flight: the configured number, or under "auto" auto_window with `provider`'s BDPs."""
+    if isinstance(window, int):
+        return window
+    return auto_window(rate_bps, rtt_s, chunk_bytes, min_window, max_window, window_bdps(provider))
+
+
 #: qps_per_peer "auto": how many QPs are set up, and from which measured RTT all of them are used
 AUTO_QPS_MAX = 4
 LONG_PATH_RTT_S = 0.010
@@ -94,6 +108,14 @@ def auto_qps(rtt_s: float, available: int) -> int:
     recovery from a loss stalls the whole transfer and several streams do not (eval link --study qps:
     100 Mbit/s x 80 ms, 1 % loss: 1 / 2 / 4 QPs 29 / 43 / 48 Mbit/s)."""
     return max(1, available) if rtt_s >= LONG_PATH_RTT_S else 1
+
+
+def qps_in_use(setting: Union[int, str], rtt_s: Optional[float], available: int) -> int:
+    """The QPs chunks are striped over: all `available`, or under "auto" what the measured RTT calls for
+    (one until the probe has measured it)."""
+    if setting != "auto":
+        return available
+    return auto_qps(rtt_s, available) if rtt_s is not None else 1
 
 
 def first_chunk_bytes(link_enable: object, rate_bps: float) -> int:
