@@ -91,6 +91,9 @@ class ChannelConfig:
     #: soft provider: to a peer on this machine, copy payloads straight from the sender's memory
     #: (process_vm_readv) instead of through loopback TCP; false = TCP, as between hosts
     same_host: bool = True
+    #: FedRDMA-E's chunk on that same-host path, where a chunk is only a unit of copying (no wire to pace)
+    #: and each costs a request, an answer and thread switches: at least chunk_bytes; 0 = chunk_bytes
+    same_host_chunk_bytes: int = 32 * MiB
     #: progress bar for long transfers (CLI); off in library use
     progress: bool = False
     #: peer authentication: "auto" = HMAC-SHA256 challenge-response when secret_file is set, else none;
@@ -122,6 +125,8 @@ class ChannelConfig:
             bad(f"mode must be one of {MODES}, got {self.mode!r}")
         if not 4096 <= self.chunk_bytes <= 1 << 30:
             bad(f"chunk_bytes must be within [4096, 1 GiB], got {self.chunk_bytes}")
+        if self.same_host_chunk_bytes and not 4096 <= self.same_host_chunk_bytes <= 1 << 30:
+            bad(f"same_host_chunk_bytes must be 0 or within [4096, 1 GiB], got {self.same_host_chunk_bytes}")
         if self.window != "auto" and (not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1):
             bad(f"window must be 'auto' or an integer >= 1, got {self.window!r}")
         if not 1 <= self.min_auto_window <= self.max_window <= 1024:

@@ -527,3 +527,10 @@ def test_the_paths_rate_window_and_qps_in_use():
     assert policy.qps_in_use(2, 0.05, 2) == 2
     assert policy.qps_in_use("auto", None, 4) == 1  # until the probe has measured the RTT
     assert policy.qps_in_use("auto", 0.05, 4) == 4 and policy.qps_in_use("auto", 0.001, 4) == 1
+
+
+def test_fedrdma_e_copies_same_host_payloads_in_larger_chunks():
+    assert policy.slot_chunk_bytes(4 << 20, 32 << 20, same_host=False) == 4 << 20  # across hosts: as configured
+    assert policy.slot_chunk_bytes(4 << 20, 32 << 20, same_host=True) == 32 << 20
+    assert policy.slot_chunk_bytes(1 << 30, 32 << 20, same_host=True) == 1 << 30  # never smaller than configured
+    assert policy.slot_chunk_bytes(4 << 20, 0, same_host=True) == 4 << 20  # 0: off

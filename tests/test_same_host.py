@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import crc32c
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(not samehost.self_test()[0], reason=f"same-host 
 
 
 def cfg(mode, **kw):
-    base = dict(mode=mode, chunk_bytes=1 << 20, slot_bytes=64 << 20, provider="soft", window=4,
+    base = dict(mode=mode, chunk_bytes=1 << 20, same_host_chunk_bytes=16 << 20, slot_bytes=64 << 20, provider="soft", window=4,
                 no_progress_timeout_s=10, connect_timeout_s=10)
     base.update(kw)
     return ChannelConfig(**base)
@@ -43,8 +44,11 @@ def test_transfers_between_processes_take_the_same_host_path(mode):
     try:
         with Endpoint(c) as ep:
             data = np.random.default_rng(3).integers(0, 256, (40 << 20) + 7, dtype=np.uint8)
-            ep.send(addr, [data[:1000], data[1000:]], {"m": mode}).result(60)
+            info = ep.send(addr, [data[:1000], data[1000:]], {"m": mode}).result(60)
             assert all(rc.qp.data_path == SAME_HOST for rc in ep.connect(addr).rcs)
+            # FedRDMA-E copies same-host payloads in larger chunks; FedRDMA keeps the peer's staging size
+            chunk = c.same_host_chunk_bytes if mode == "fedrdma-e" else c.chunk_bytes
+            assert info["chunks"] == -(-data.nbytes // chunk) + (mode == "fedrdma-e")  # + FedRDMA-E's header
             rec = p.cmd({"cmd": "expect", "count": 1, "timeout_s": 60})["records"][0]
             assert rec["nbytes"] == data.nbytes and rec["crc32c"] == crc32c.crc32c(data)
     finally:
@@ -89,3 +93,32 @@ def test_peer_that_cannot_prove_the_same_host_gets_tcp():
             qp = ctx.alloc_pd().create_qp(ctx.create_cq())
     finally:
         ctx.close()
+
+
+def _spans(base, cuts):
+    """(address, length) spans of a buffer at `base` cut at the offsets `cuts`."""
+    return [(base + a, b - a) for a, b in zip(cuts, cuts[1:])]
+
+
+def test_a_large_copy_is_split_across_threads_and_lands_whole(monkeypatch):
+    n = (5 << 20) + 123
+    src = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    threads = []
+    real = samehost._read
+    monkeypatch.setattr(samehost, "_read", lambda *a: (threads.append(threading.current_thread().name), real(*a)))
+    # the two sides cut differently, and neither at the parts' boundaries
+    samehost.read_from(os.getpid(), _spans(src.ctypes.data, [0, 1000, (3 << 20) + 5, n]),
+                       _spans(dst.ctypes.data, [0, 77, 4 << 20, n - 1, n]), threads=2)
+    assert np.array_equal(src, dst)
+    assert len(threads) == 2 and any(t.startswith("easypyverbs-soft-copy") for t in threads)
+
+
+def test_a_split_copy_that_cannot_read_a_part_fails_whole():
+    n = 4 << 20
+    dst = np.zeros(n, dtype=np.uint8)
+    src = np.ones(n // 2, dtype=np.uint8)
+    # the second half names an address nothing is mapped at: the copy fails, after both parts ended
+    with pytest.raises(OSError, match="process_vm_readv"):
+        samehost.read_from(os.getpid(), [(src.ctypes.data, n // 2), (8, n // 2)], [(dst.ctypes.data, n)], threads=2)
+    assert (dst[:n // 2] == 1).all()

@@ -26,6 +26,7 @@ import easypyverbs as ev
 from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
+from ..protocol.policy import slot_chunk_bytes
 from .buffers import zero_fill
 from .checksum import payload_checksum, payload_checksum_async, payload_leaves
 from .handshake import PoolOffer
@@ -72,8 +73,9 @@ class SlotSender:
         if slot is None:
             return None
         o.slot = slot
-        tid = o.fut.transfer_id
-        m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total, self.conn.cfg.chunk_bytes, window,
+        tid, cfg = o.fut.transfer_id, self.conn.cfg
+        m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total,
+                             slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, self.conn.same_host), window,
                              slot_payload_bytes=self.offer.slot_payload_bytes, room_bytes=self.ring.capacity[slot],
                              header_after_all=self.conn.active_qps > 1, **common)
         if m.state is P.fedrdma.SendState.GROWING:

@@ -118,6 +118,14 @@ def qps_in_use(setting: Union[int, str], rtt_s: Optional[float], available: int)
     return auto_qps(rtt_s, available) if rtt_s is not None else 1
 
 
+def slot_chunk_bytes(chunk_bytes: int, same_host_chunk_bytes: int, same_host: bool) -> int:
+    """The chunk FedRDMA-E writes into a slot: chunk_bytes, or on a same-host path (the soft provider's
+    process_vm_readv copy) same_host_chunk_bytes if larger. There a chunk is only a unit of copying: 1 GiB
+    warm, 2 cores, checksum none: 4 MiB chunks 0.18 s, 16 MiB 0.13 s, 64 MiB 0.12 s. (FedRDMA's chunk
+    stays chunk_bytes: the peer's staging buffers hold one each.)"""
+    return max(chunk_bytes, same_host_chunk_bytes) if same_host else chunk_bytes
+
+
 def first_chunk_bytes(link_enable: object, rate_bps: float) -> int:
     """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto"."""
     on = rate_bps >= LINK_ENABLE_FROM_BPS if link_enable == "auto" else bool(link_enable)

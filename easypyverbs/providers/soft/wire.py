@@ -80,8 +80,10 @@ class PeerClosed(ConnectionError):
 def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock` (straight into the caller's memory, no intermediate copy)."""
     pos, n = 0, view.nbytes
+    # a blocking socket fills the view in one call (MSG_WAITALL), the GIL released throughout
+    waitall = isinstance(sock, socket.socket) and sock.gettimeout() is None
     while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
+        got = sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL) if waitall else sock.recv_into(view[pos:], n - pos)
         if got == 0:
             raise PeerClosed(f"peer closed the connection after {pos} of {n} bytes")
         pos += got
