@@ -83,7 +83,9 @@ def render(rep: Dict[str, Any]) -> str:
         lines.append(f"              link model from EASYPYVERBS_SOFT_LINK: {s['link_model_env']}")
     sh = s["same_host_path"]
     lines.append(f"              same-host path (process_vm_readv) to peers on this machine: "
-                 f"{'on' if sh['on'] else 'off'} ({sh['why']}); EASYPYVERBS_SOFT_SAME_HOST=off forces TCP")
+                 f"{'on' if sh['on'] else 'off'} ({sh['why']}"
+                 + (f"; copies of 2 MiB and more split over {sh['copy_threads']} threads" if sh.get("copy_threads", 1) > 1 else "")
+                 + "); EASYPYVERBS_SOFT_SAME_HOST=off forces TCP")
     lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
     return "\n".join(lines)
 
@@ -94,7 +96,7 @@ def _same_host() -> Dict[str, Any]:
     if not samehost.enabled_by_env():
         return {"on": False, "why": "switched off by EASYPYVERBS_SOFT_SAME_HOST"}
     ok, why = samehost.self_test()
-    return {"on": ok, "why": why}
+    return {"on": ok, "why": why, "copy_threads": samehost.COPY_THREADS}
 
 
 def main(argv: List[str]) -> int:
