@@ -7,6 +7,7 @@ peer-death tests need a transfer still in flight when they act: on soft the link
 (`soft_link`), on a real device the sender paces its chunks (`slow_transfer`)."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import threading
@@ -414,3 +415,35 @@ def test_large_payloads_at_once_several_to_one(mode, provider):
             e.close()
         peer.close()
 
+
+
+def test_two_endpoints_dialing_each_other_at_once_lose_nothing():
+    """Both ends send first, at the same moment: each dials the other, each accepts the other's
+    connection. Neither connection may be closed under the transfer riding on it (an accepted
+    connection used to replace the one dialed, and both sides did that at once)."""
+    cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=8 << 20)
+    data = np.random.default_rng(9).integers(0, 256, 3 << 20, dtype=np.uint8)
+    for attempt in range(5):
+        a, b = Endpoint(cfg), Endpoint(cfg)
+        try:
+            go = threading.Barrier(2)
+
+            def send(src, dst):
+                go.wait()
+                return src.send(dst.address, data, {"from": src.address}).result(30)
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                futs = [pool.submit(send, a, b), pool.submit(send, b, a)]
+                infos = [f.result(60) for f in futs]
+            assert all(i["bytes"] == data.nbytes for i in infos)
+            for ep, other in ((a, b), (b, a)):
+                msg = ep.recv(timeout=30)
+                assert msg.metadata == {"from": other.address} and crc32c.crc32c(msg.view) == crc32c.crc32c(data)
+                msg.release()
+            # and afterwards both directions still work, over whichever connections were kept
+            a.send(b.address, b"after", {}).result(30)
+            b.send(a.address, b"after", {}).result(30)
+            assert bytes(a.recv(timeout=30).detach()) == bytes(b.recv(timeout=30).detach()) == b"after"
+        finally:
+            a.close()
+            b.close()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -49,11 +50,12 @@ def guest(tmp_path):
         host = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fate_party.py"), "--fed-id", fed_id,
                                  "--data-dir", str(tmp_path), "--section", json.dumps(host_sec), "--names", names],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        made.append([None, host])  # killed at the end even if building the guest's federation fails
         activate._explicit = sec
         activate.install()
         cs = CSession(session_id=f"{fed_id}_guest_9999", data_dir=str(tmp_path))
         fed = FederationBuilder(federation_session_id=fed_id, party=GUEST, parties=[GUEST, HOST]).build_standalone(cs)
-        made.append((fed, host))
+        made[-1][0] = fed
         return Context(computing=cs, federation=fed), fed, host
 
     yield build
@@ -318,3 +320,95 @@ def test_a_buffered_put_that_fails_later_is_raised_by_the_next_call(guest, caplo
     assert "failed after it returned" in caplog.text
     res = host_result(host)
     assert "did not arrive" in (res.get("error") or ""), res
+
+
+def channel_descriptors(eps, tmp_path, **kw):
+    """A section with descriptors over the channel: a secret both parties prove."""
+    from fate_rdma.channel.auth import write_secret
+
+    secret = tmp_path / "secret"
+    if not secret.exists():
+        write_secret(str(secret))
+    return section(eps, **{"descriptors": "channel", "secret_file": str(secret), **kw})
+
+
+def test_descriptors_over_the_channel_carry_every_object_without_fate(guest, tmp_path):
+    eps = endpoints()
+    ctx, fed, host = guest(channel_descriptors(eps, tmp_path), channel_descriptors(eps, tmp_path), "s-desc",
+                           names="w,w2")
+    through_fate = []
+    orig = fed.fate_rdma._orig_push
+    fed.fate_rdma._orig_push = lambda **kw: (through_fate.append(kw["name"]), orig(**kw))
+    big = [np.random.default_rng(6).standard_normal(500_000), np.arange(10)]
+    small = {"flag": True, "w": np.ones(100)}  # below threshold_bytes: with descriptors: fate it takes FATE's path
+    ctx.hosts[0].put("w", big)
+    ctx.hosts[0].put("w2", small)
+    res = host_result(host)
+    assert res.get("error") is None, res
+    assert res["w"] == sha(big) and res["w2"] == sha(small)
+    st = fed.fate_rdma.stats
+    assert st["rdma_transfers"] == 1 and st["small_transfers"] == 1 and through_fate == []
+    assert res["stats"]["descriptor_wait_seconds"] == 0  # the host waited on the channel alone
+
+
+def test_channel_descriptors_need_proven_senders_and_no_fallback(guest, tmp_path):
+    from fate_rdma.federation.config import RdmaFederationConfig
+
+    eps = endpoints()
+    with pytest.raises(E.ConfigError, match="cannot fall back"):
+        RdmaFederationConfig.from_section(channel_descriptors(eps, tmp_path, fallback="fate"))
+    with pytest.raises(E.ConfigError, match="descriptors must be"):
+        RdmaFederationConfig.from_section(section(eps, descriptors="carrier pigeon"))
+    with pytest.raises(E.ConfigError, match="needs proven senders"):
+        guest(section(eps, descriptors="channel"), None, "s-desc-noauth")
+    # auto: channel where the senders are proven and nothing falls back to FATE, else fate
+    assert RdmaFederationConfig.from_section(section(eps)).descriptors_in_use == "fate"
+    assert RdmaFederationConfig.from_section(channel_descriptors(eps, tmp_path, descriptors="auto")).descriptors_in_use == "channel"
+    assert RdmaFederationConfig.from_section(channel_descriptors(eps, tmp_path, descriptors="auto",
+                                                                 fallback="fate")).descriptors_in_use == "fate"
+
+
+def test_parties_with_different_descriptors_are_told(guest, tmp_path, caplog):
+    """A guest that announces over the channel and a host that waits for FATE's descriptor: the host says
+    why (and lets the payload go) instead of waiting in silence."""
+    eps = endpoints()
+    host_sec = channel_descriptors(eps, tmp_path, descriptors="fate", pull_timeout_s=3)
+    ctx, fed, host = guest(channel_descriptors(eps, tmp_path), host_sec, "s-mix")
+    ctx.hosts[0].put("w", np.zeros(300_000))
+    assert fed.fate_rdma.flush(20)  # delivered to the host's endpoint
+    time.sleep(1.5)  # its receive loop has looked at it
+    host.kill()
+    _, err = host.communicate(timeout=30)
+    assert "sends with descriptors: channel" in err and "receives with descriptors: fate" in err
+
+
+def test_announced_objects_are_checked(guest, tmp_path):
+    """What a peer announces over the channel is for this job and party, from the party whose endpoint the
+    connection proved; a (name, tag) that arrives twice before its get is refused; the length is checked."""
+    eps = endpoints()
+    ctx, fed, host = guest(channel_descriptors(eps, tmp_path), None, "s-ann")
+    shim = fed.fate_rdma
+    good = {"announce": True, "session": "s-ann", "name": "w", "tag": "t", "src": "host:10000", "dst": "guest:9999",
+            "length": 3, "crc32c": None, "frame": False}
+    key, why = shim._announced_key(good, eps["host:10000"])
+    assert key == ("obj", "s-ann", "w", "t", "host:10000") and why == ""
+    for bad, peer, reason in [({"session": "other"}, eps["host:10000"], "session"),
+                              ({"dst": "arbiter:1"}, eps["host:10000"], "session"),
+                              ({"src": "guest:9999"}, eps["host:10000"], "names party"),
+                              ({}, "127.0.0.1:1", "names party"),
+                              ({"name": 7}, eps["host:10000"], "lacks")]:
+        key, why = shim._announced_key({**good, **bad}, peer)
+        assert key is None and reason in why
+    k = ("obj", "s-ann", "w", "t", "host:10000")
+    shim._store.put(k, (good, b"abc"))
+    assert shim._take_announced("w", "t", HOST) == b"abc"
+    shim._store.put(k, (good, b"abc"))
+    shim._store.put(k, (good, b"xyz"))
+    with pytest.raises(E.IntegrityError, match="arrived twice"):
+        shim._take_announced("w", "t", HOST)
+    shim._store.put(k, ({**good, "length": 4}, b"abc"))
+    with pytest.raises(E.IntegrityError, match="3 bytes arrived"):
+        shim._take_announced("w", "t", HOST)
+    shim.cfg = shim.cfg.__class__(**{**shim.cfg.__dict__, "pull_timeout_s": 0.2})
+    with pytest.raises(E.TransferTimeout, match="'w' \\(tag 't'\\) from party host:10000 did not arrive"):
+        shim._take_announced("w", "t", HOST)

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="soft provider's data path between the parties (all on this machine here): tcp (default: "
                         "as between sites), same-host (process_vm_readv, as when parties share a host), or both "
                         "(separate rows and ratios, never mixed)")
+    p.add_argument("--descriptors", default="fate", choices=["fate", "channel"],
+                   help="how fate-rdma's gets learn what was put: fate (default: a descriptor through FATE's own "
+                        "federation, small objects on FATE's path) or channel (every object and its description "
+                        "over the channel; the launcher's per-job secret proves the senders)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
     p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
     p.add_argument("--no-channel-alone", dest="channel_alone", action="store_false",
@@ -123,6 +127,7 @@ def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Di
 
 def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tcp") -> None:
     sec: Dict[str, Any] = {"enabled": True, "threshold_bytes": 1 << 20, "fallback": "error",
+                           "descriptors": getattr(args, "descriptors", "fate"),
                            "endpoints": local_endpoints(), **_channel_fields(args, upload, data_path)}
     with open(path, "w") as f:
         json.dump({"fate_rdma": sec}, f)
@@ -135,7 +140,7 @@ def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: in
           f"three processes, path {data_path}", file=sys.stderr, flush=True)
     got = channel_alone.measure(_channel_fields(args, row["up_bytes"], data_path), row["up_bytes"], row["down_bytes"],
                                 rounds, timeout=args.timeout)
-    return dict(row, method="channel-alone", round_comm_seconds=got["round_seconds"],
+    return dict(row, method="channel-alone", descriptors="-", round_comm_seconds=got["round_seconds"],
                 round_comm_seconds_all=got["round_seconds_all"], peak_rss_bytes=0, arbiter_peak_rss_bytes=0,
                 aggregate_seconds=0.0, breakdown=None)
 
@@ -266,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
                     _conf(conf, args, _upload_bytes(scale, rank), data_path)
                 row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
                 row["path"] = data_path
+                row["descriptors"] = args.descriptors if method == "fate-rdma" else "-"
                 row["chunks_up"] = -(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None
                 row["fate_slices_up"] = -(-row["up_bytes"] // (1 << 20))
                 emit(row)
@@ -280,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         r["chunks"] = (f"{r['chunks_up']} x {human_bytes(CHUNK)}" if r["method"] != "fate"
                        else f"{r['fate_slices_up']} x 1 MiB slices")
-    table(rows, ["payload", "scale", "method", "mode", "provider", "path", "size", "chunks", "rounds",
+    table(rows, ["payload", "scale", "method", "mode", "provider", "path", "descriptors", "size", "chunks", "rounds",
                  "round_comm_seconds", "peak_rss", "verified"])
     for r in rows:
         if r["method"] == "fate-rdma" and r.get("breakdown"):

@@ -65,6 +65,10 @@ class Endpoint:
                         "not encrypted by fate-rdma (use IPsec or MACsec on links that are not private)",
                         self.name, self.ctx.label)
         self._conns: Dict[str, Connection] = {}
+        #: a peer's second connection, accepted while the first (ours to it) was alive: both ends dialed at
+        #: once. Kept, not swapped in: closing either would cut the transfers under way on it. Sends stay on
+        #: the first; the second takes over if the first ends. At most one per peer.
+        self._extra: Dict[str, Connection] = {}
         self._lock = threading.Lock()
         self._dialing: Dict[str, threading.Lock] = {}
         self._inbox: "queue.Queue[Message]" = queue.Queue()
@@ -144,7 +148,10 @@ class Endpoint:
             self._source_done(raw.peer[0])
         with self._lock:
             old = self._conns.get(conn.peer)
-            self._conns[conn.peer] = conn
+            if old is not None and old is not conn and old.dead is None:
+                old, self._extra[conn.peer] = self._extra.get(conn.peer), conn
+            else:
+                self._conns[conn.peer] = conn
         if old is not None and old is not conn:
             old.close()
 
@@ -212,28 +219,32 @@ class Endpoint:
 
     def _forget(self, conn: Connection) -> None:
         with self._lock:
+            for k in [k for k, v in self._extra.items() if v is conn]:
+                del self._extra[k]
             for k in [k for k, v in self._conns.items() if v is conn]:
                 del self._conns[k]
+                spare = self._extra.pop(k, None)
+                if spare is not None and spare.dead is None:
+                    self._conns[k] = spare
+
+    def _all_conns(self) -> List[Connection]:
+        with self._lock:
+            return list({id(c): c for c in [*self._conns.values(), *self._extra.values()]}.values())
 
     def pool_bytes(self) -> int:
         """Bytes of FedRDMA-E receive pools registered now for all current peers (they grow with the
         traffic and shrink when idle; `pool_report` says how much is resident)."""
-        with self._lock:
-            conns = list({id(c): c for c in self._conns.values()}.values())
-        return sum(c.pool_bytes for c in conns)
+        return sum(c.pool_bytes for c in self._all_conns())
 
     def pool_report(self) -> Dict[str, Any]:
         """What the FedRDMA-E receive pools hold now: registered and resident bytes, in all and per peer
         with each slot's room and state, and the memory budget (slots.pool_report; `doctor` prints it)."""
         from .slots import pool_report
 
-        with self._lock:
-            conns = list({id(c): c for c in self._conns.values()}.values())
-        return pool_report(conns, self.budget)
+        return pool_report(self._all_conns(), self.budget)
 
     def peers(self) -> List[str]:
-        with self._lock:
-            return sorted({c.peer for c in self._conns.values()})
+        return sorted({c.peer for c in self._all_conns()})
 
     # -- transfers ------------------------------------------------------------------------------
     def send(self, address: str, buffers: Any, metadata: Optional[Dict[str, Any]] = None) -> TransferFuture:
@@ -256,9 +267,7 @@ class Endpoint:
         self._closed = True
         self._acceptor.join(timeout=5)
         self.listener.close()
-        with self._lock:
-            conns = list({id(c): c for c in self._conns.values()}.values())
-        for c in conns:
+        for c in self._all_conns():
             c.close()
         self.recv_buffers.clear()
         while True:

@@ -6,6 +6,11 @@
       threshold_bytes: 1048576   # pickles at or above this go over the channel (default 1 MiB)
       fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path, logged once)
       pull_timeout_s: 600        # how long a get() waits for the payload after its descriptor arrived
+      descriptors: auto          # how a get learns what was put: "channel" (every object and its description
+                                 # over the channel, FATE's path unused: lower latency; needs secret_file or
+                                 # tls, and fallback: error), "fate" (a small descriptor through FATE's own
+                                 # federation; small objects stay on FATE's path), "auto" (channel where it
+                                 # can be, else fate; every party must end up with the same)
       put_buffer_bytes: 1073741824  # a put of arrays copies them (as FATE's pickling does) and returns at once,
                                  # while its bytes go in the background, up to this many bytes in flight; 0: off
       endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
@@ -23,7 +28,8 @@ from typing import Any, Dict, Optional, Tuple
 from ..config import ChannelConfig
 from ..errors import ConfigError
 
-FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "put_buffer_bytes", "endpoints", "listen_host"}
+FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "put_buffer_bytes", "endpoints", "listen_host",
+            "descriptors"}
 
 
 def party_key(party: Tuple[str, str]) -> str:
@@ -45,11 +51,23 @@ class RdmaFederationConfig:
     put_buffer_bytes: int = 1 << 30
     #: interface this party's endpoint binds (default: the host of its own endpoints entry)
     listen_host: Optional[str] = None
+    #: "fate": a large object's descriptor travels through FATE's own federation (FATE's ordering and blocking
+    #: get; small objects take FATE's path); "channel": every object, with its name, tag and length, goes over
+    #: the channel and FATE's federation is not used for bytes at all (one round trip less per object: what
+    #: small payloads such as low-rank LoRA adapters pay for); the sender must then be proven (secret_file or
+    #: tls) and an unreachable peer is an error. "auto": channel when the senders are proven and fallback is
+    #: error, else fate (descriptors_in_use)
+    descriptors: str = "auto"
     channel: ChannelConfig = ChannelConfig()
 
     def __post_init__(self) -> None:
         if self.fallback not in ("error", "fate"):
             raise ConfigError(f"fate_rdma.fallback must be 'error' or 'fate', got {self.fallback!r}")
+        if self.descriptors not in ("auto", "fate", "channel"):
+            raise ConfigError(f"fate_rdma.descriptors must be 'auto', 'fate' or 'channel', got {self.descriptors!r}")
+        if self.descriptors == "channel" and self.fallback == "fate":
+            raise ConfigError("fate_rdma.descriptors: channel cannot fall back to FATE's path (the receiver waits on "
+                              "the channel alone): set fallback: error, or descriptors: fate")
         if self.threshold_bytes < 1:
             raise ConfigError("fate_rdma.threshold_bytes must be positive")
         if isinstance(self.put_buffer_bytes, bool) or not isinstance(self.put_buffer_bytes, int) or self.put_buffer_bytes < 0:
@@ -62,6 +80,18 @@ class RdmaFederationConfig:
             host, _, port = str(v).rpartition(":")
             if ":" not in str(k) or not host or not port.isdigit():
                 raise ConfigError(f"fate_rdma.endpoints: bad entry {k!r}: {v!r} (want 'role:party_id': 'host:port')")
+
+    @property
+    def proven_senders(self) -> bool:
+        """Does every connection prove its party (a shared secret or TLS certificates)?"""
+        return bool(self.channel.secret_file or self.channel.tls)
+
+    @property
+    def descriptors_in_use(self) -> str:
+        """"channel" or "fate": what `descriptors` comes to with this configuration."""
+        if self.descriptors != "auto":
+            return self.descriptors
+        return "channel" if self.proven_senders and self.fallback == "error" else "fate"
 
     def address_of(self, party: Tuple[str, str]) -> str:
         key = party_key(party)

@@ -6,6 +6,12 @@ Descriptor (through FATE): DESC_MAGIC + JSON {"id", "length", "crc32c", "src", "
 "crc32c" is null when the channel's own end-to-end checksum already covers the bytes (checksum: crc32c,
 the default, or blake2b), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
 FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic cannot be mistaken.
+
+With `descriptors: channel` the descriptor's fields ride in the transfer's own metadata instead, every
+object (small ones too) goes over the channel, and a get waits for (session, name, tag, source party)
+in the store: FATE's federation carries no bytes, and an object costs one transfer instead of a transfer
+and a message through FATE. The source is the party the connection proved (secret or TLS), not only
+the one the metadata names.
 """
 from __future__ import annotations
 
@@ -39,8 +45,11 @@ class _Store:
         self._cv = threading.Condition()
         self._failed: Optional[BaseException] = None
 
-    def put(self, key: str, data: Any) -> None:
+    def put(self, key: Any, data: Any) -> None:
         with self._cv:
+            if isinstance(key, tuple) and key in self._items:  # an announced (name, tag) twice: its get picks neither
+                data = IntegrityError(f"fate-rdma: {key[2]!r} (tag {key[3]!r}) from party {key[4]} arrived twice "
+                                      "before its get")
             self._items[key] = data
             self._cv.notify_all()
 
@@ -50,14 +59,18 @@ class _Store:
             self._failed = exc
             self._cv.notify_all()
 
-    def take(self, key: str, timeout_s: float) -> Any:
+    def take(self, key: Any, timeout_s: float, what: str = "") -> Any:
+        what = what or f"payload {key} announced by its descriptor"
         with self._cv:
             if not self._cv.wait_for(lambda: key in self._items or self._failed is not None, timeout_s):
-                raise TransferTimeout(f"payload {key} announced by its descriptor did not arrive within {timeout_s:g} s")
+                raise TransferTimeout(f"{what} did not arrive within {timeout_s:g} s")
             if key not in self._items:
-                raise PeerUnreachable(f"payload {key} cannot arrive: fate-rdma's receive loop failed: "
+                raise PeerUnreachable(f"{what} cannot arrive: fate-rdma's receive loop failed: "
                                       f"{self._failed!r}") from self._failed
-            return self._items.pop(key)
+            item = self._items.pop(key)
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def __len__(self) -> int:
         return len(self._items)
@@ -75,6 +88,12 @@ class RdmaFederation:
         self.endpoint = Endpoint(cfg.channel, cfg.listen_host or host, int(port), name=me,
                                  allowed_peers=set(cfg.endpoints.values()) - {me},
                                  party_names={addr: party for party, addr in cfg.endpoints.items()})  # tls: true
+        self.announce = cfg.descriptors_in_use == "channel"
+        if self.announce and not cfg.proven_senders:
+            self.endpoint.close()
+            raise ConfigError("fate_rdma.descriptors: channel needs proven senders: set secret_file (or tls) at every "
+                              "party (`fate-rdma launch` makes one for single-machine jobs), or descriptors: fate")
+        self._party_at = {addr: party for party, addr in cfg.endpoints.items()}
         self._orig_push: Callable[..., Any] = fed._push_bytes
         self._orig_pull: Callable[..., Any] = fed._pull_bytes
         self._orig_destroy: Callable[..., Any] = fed._destroy
@@ -83,7 +102,9 @@ class RdmaFederation:
         self._store = _Store()
         self._warned_fallback: set = set()
         self._fallback_tables: List[Any] = []
-        self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0,
+        # rdma_*: payloads at or above threshold_bytes (or array frames); small_transfers: smaller objects that
+        # went over the channel too (descriptors: channel)
+        self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "small_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0,
                       # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
                       "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
@@ -101,8 +122,15 @@ class RdmaFederation:
         fed._destroy = self._destroy
         fed.get_default_max_message_size = lambda: UNSLICED
         fed.fate_rdma = self
-        log.info("fate-rdma: federation of %s (%s) moves payloads >= %d bytes over %s at %s", party_key(self.local),
-                 type(fed).__name__, self.threshold, self.endpoint.label, me)
+        if self.announce:
+            log.info("fate-rdma: federation of %s (%s) moves every object over %s at %s (descriptors: channel)",
+                     party_key(self.local), type(fed).__name__, self.endpoint.label, me)
+        else:
+            why = {"fate": "as configured", "auto": "no secret_file or tls" if not cfg.proven_senders
+                   else "fallback: fate"}[cfg.descriptors]
+            log.info("fate-rdma: federation of %s (%s) moves payloads >= %d bytes over %s at %s; descriptors through "
+                     "FATE's federation (%s)", party_key(self.local), type(fed).__name__, self.threshold,
+                     self.endpoint.label, me, why)
 
     # -- receiving ------------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -112,9 +140,22 @@ class RdmaFederation:
                     msg = self.endpoint.recv(timeout=0.5)
                 except TransferTimeout:
                     continue
-                key = msg.metadata.get("id")
+                md = msg.metadata if isinstance(msg.metadata, dict) else {}
+                key: Any = md.get("id")
+                if bool(md.get("announce")) != self.announce:  # nobody would take it: say why, let it go
+                    self._mismatch(md, msg.peer)
+                    msg.release()
+                    continue
+                if self.announce:
+                    key, why = self._announced_key(md, msg.peer)
+                    if key is None:
+                        log.warning("fate-rdma: dropped transfer %d from %s: %s", msg.transfer_id, msg.peer, why)
+                        msg.release()
+                        continue
                 data = msg.detach()  # FATE (or a frame's arrays) use it in place; a FedRDMA-E slot goes back now
-                if isinstance(key, str):
+                if isinstance(key, tuple):
+                    self._store.put(key, (md, data))
+                elif isinstance(key, str):
                     self._store.put(key, data)
                 else:
                     log.warning("fate-rdma: dropped transfer %d from %s: its metadata carries no payload id",
@@ -128,6 +169,30 @@ class RdmaFederation:
                           party_key(self.local), exc)
             self._store.fail(exc)
 
+    def _mismatch(self, md: Dict[str, Any], peer: str) -> None:
+        """A peer that resolved `descriptors` differently: say so; with channel descriptors here, the get
+        waiting for that object fails at once instead of after pull_timeout_s."""
+        mine, theirs = ("channel", "fate") if self.announce else ("fate", "channel")
+        err = ConfigError(f"fate-rdma: party {self._party_at.get(peer, peer)} sends with descriptors: {theirs}, party "
+                          f"{party_key(self.local)} receives with descriptors: {mine}: set the same descriptors (and "
+                          "secret_file, tls, fallback) at every party")
+        log.error("%s", err)
+        name, tag, src = md.get("name"), md.get("tag"), self._party_at.get(peer)
+        if self.announce and isinstance(name, str) and isinstance(tag, str) and src == md.get("src"):
+            self._store.put(("obj", self.fed.session_id, name, tag, src), err)
+
+    def _announced_key(self, md: Dict[str, Any], peer: str) -> Tuple[Optional[tuple], str]:
+        """The store key of an object announced over the channel (descriptors: channel), or None and why not:
+        it must be for this party and this job, from the party whose endpoint the connection proved."""
+        name, tag, src = md.get("name"), md.get("tag"), md.get("src")
+        if not (isinstance(name, str) and isinstance(tag, str) and isinstance(src, str)):
+            return None, "its metadata lacks a name, tag or source party"
+        if md.get("session") != self.fed.session_id or md.get("dst") != party_key(self.local):
+            return None, f"it is for session {md.get('session')!r}, party {md.get('dst')!r}, not this one"
+        if self._party_at.get(peer) != src:
+            return None, f"it names party {src!r}, but came from {peer} ({self._party_at.get(peer) or 'no party'})"
+        return ("obj", md["session"], name, tag, src), ""
+
     # -- push -----------------------------------------------------------------------------------
     def frame(self, value: Any) -> Optional[frames.OutFrame]:
         """`value` as an array frame if it carries at least `threshold` bytes of arrays, else None."""
@@ -140,7 +205,7 @@ class RdmaFederation:
     def _push_bytes(self, v: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
         self._raise_deferred()
         framed = isinstance(v, frames.OutFrame)
-        if not framed and len(v) < self.threshold:
+        if not framed and len(v) < self.threshold and not self.announce:
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
         t0 = time.perf_counter()
         bufs = v.buffers if framed else [v]
@@ -155,6 +220,8 @@ class RdmaFederation:
             key = uuid.uuid4().hex
             md = {"id": key, "session": self.fed.session_id, "name": name, "tag": tag,
                   "src": party_key(self.local), "dst": party_key(p)}
+            if self.announce:  # the descriptor's fields travel with the bytes
+                md.update(announce=True, length=len(v), crc32c=crc, frame=framed)
             try:
                 addr = self.cfg.address_of(tuple(p))
                 sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md)))
@@ -171,7 +238,13 @@ class RdmaFederation:
                 except FateRdmaError as exc:
                     err = exc
                 self.stats["send_seconds"] += time.perf_counter() - t1
-            if err is None:  # delivered, or (buffered) under way: the receiver's get waits for it
+            if err is None and self.announce:
+                if framed or len(v) >= self.threshold:
+                    self.stats["rdma_bytes"] += len(v)
+                    self.stats["rdma_transfers"] += 1
+                else:  # FATE's path would have carried it under descriptors: fate
+                    self.stats["small_transfers"] += 1
+            elif err is None:  # delivered, or (buffered) under way: the receiver's get waits for it
                 desc = {"id": key, "length": len(v), "crc32c": crc, "src": party_key(self.local),
                         "endpoint": self.endpoint.name, "session": self.fed.session_id, "frame": framed}
                 t1 = time.perf_counter()
@@ -294,6 +367,8 @@ class RdmaFederation:
     # -- pull -----------------------------------------------------------------------------------
     def _pull_bytes(self, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[bytes]:
         self._raise_deferred()
+        if self.announce:
+            return [self._take_announced(name, tag, tuple(p)) for p in parties]
         t0 = time.perf_counter()
         got = self._orig_pull(name=name, tag=tag, parties=parties)
         self.stats["descriptor_wait_seconds"] += time.perf_counter() - t0
@@ -315,11 +390,28 @@ class RdmaFederation:
         t0 = time.perf_counter()
         data = self._store.take(key, self.cfg.pull_timeout_s)
         self.stats["payload_wait_seconds"] += time.perf_counter() - t0
+        return self._checked(data, length, crc, bool(desc.get("frame")), party, name)
+
+    def _take_announced(self, name: str, tag: str, party: Tuple[str, str]) -> Any:
+        """descriptors: channel: the object `party` put under (name, tag), with its announced fields checked."""
+        t0 = time.perf_counter()
+        md, data = self._store.take(("obj", self.fed.session_id, name, tag, party_key(party)), self.cfg.pull_timeout_s,
+                                    f"fate-rdma: {name!r} (tag {tag!r}) from party {party_key(party)}")
+        self.stats["payload_wait_seconds"] += time.perf_counter() - t0
+        try:
+            length, crc = int(md["length"]), md.get("crc32c")
+            crc = None if crc is None else int(crc)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"fate-rdma: malformed announcement of {name!r} from {party_key(party)}: {exc!r}") from exc
+        return self._checked(data, length, crc, bool(md.get("frame")), party, name)
+
+    def _checked(self, data: Any, length: int, crc: Optional[int], frame: bool, party: Tuple[str, str], name: str) -> Any:
+        """`data` as FATE's get returns it, once its length, checksum (if any) and kind match what was announced."""
         if len(data) != length:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: {len(data)} bytes arrived, descriptor says {length}")
         if crc is not None and crc32c.crc32c(data) != crc:
             raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: checksum does not match its descriptor")
-        if desc.get("frame"):
+        if frame:
             if not frames.is_frame(data):
                 raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: descriptor announces an array frame, payload is not one")
             return frames.InFrame(data)
