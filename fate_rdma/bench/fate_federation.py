@@ -50,10 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="soft provider's data path between the parties (all on this machine here): tcp (default: "
                         "as between sites), same-host (process_vm_readv, as when parties share a host), or both "
                         "(separate rows and ratios, never mixed)")
-    p.add_argument("--descriptors", default="fate", choices=["fate", "channel"],
-                   help="how fate-rdma's gets learn what was put: fate (default: a descriptor through FATE's own "
-                        "federation, small objects on FATE's path) or channel (every object and its description "
-                        "over the channel; the launcher's per-job secret proves the senders)")
+    p.add_argument("--descriptors", default="auto", choices=["auto", "fate", "channel"],
+                   help="how fate-rdma's gets learn what was put: channel (every object and its description over "
+                        "the channel; the launcher's per-job secret proves the senders), fate (a descriptor through "
+                        "FATE's own federation, small objects on FATE's path), auto (default, as in a job conf: "
+                        "channel here)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
     p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
     p.add_argument("--no-channel-alone", dest="channel_alone", action="store_false",
@@ -127,7 +128,7 @@ def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Di
 
 def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tcp") -> None:
     sec: Dict[str, Any] = {"enabled": True, "threshold_bytes": 1 << 20, "fallback": "error",
-                           "descriptors": getattr(args, "descriptors", "fate"),
+                           "descriptors": getattr(args, "descriptors", "auto"),
                            "endpoints": local_endpoints(), **_channel_fields(args, upload, data_path)}
     with open(path, "w") as f:
         json.dump({"fate_rdma": sec}, f)
