@@ -27,6 +27,7 @@ def loop_over(endpoint) -> RdmaFederation:
     """Only what the receive loop uses; the rest of the wrapper needs FATE (test_federation.py)."""
     fed = object.__new__(RdmaFederation)
     fed.endpoint, fed._store, fed._stop, fed.local = endpoint, _Store(), False, ("arbiter", "10000")
+    fed.announce = False  # descriptors: fate (the announced path: test_federation.py)
     return fed
 
 

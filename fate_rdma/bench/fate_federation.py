@@ -128,7 +128,7 @@ def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Di
 
 def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tcp") -> None:
     sec: Dict[str, Any] = {"enabled": True, "threshold_bytes": 1 << 20, "fallback": "error",
-                           "descriptors": getattr(args, "descriptors", "auto"),
+                           "descriptors": args.descriptors,
                            "endpoints": local_endpoints(), **_channel_fields(args, upload, data_path)}
     with open(path, "w") as f:
         json.dump({"fate_rdma": sec}, f)

@@ -216,8 +216,10 @@ def wrap_flow_task(fed: Any, computing: Any, task: FlowTask) -> bool:
                              f"it: {exc} (or set `fallback: fate` in the section to run on FATE's own federation)") from exc
     emulated = getattr(getattr(rdma.endpoint, "ctx", None), "emulated", None)
     kind = "EMULATED verbs over TCP, not RDMA" if emulated else "RDMA"
-    log.info("fate-rdma: ON for %s: engine %s, provider %s [%s], mode %s, endpoint %s, payloads >= %d bytes",
-             task.label, engine, rdma.endpoint.label, kind, cfg.channel.mode, rdma.endpoint.name, rdma.threshold)
+    log.info("fate-rdma: ON for %s: engine %s, provider %s [%s], mode %s, endpoint %s, %s", task.label, engine,
+             rdma.endpoint.label, kind, cfg.channel.mode, rdma.endpoint.name,
+             "every object over the channel (descriptors: channel)" if rdma.announce else
+             f"payloads >= {rdma.threshold} bytes, descriptors through FATE (descriptors: fate)")
     atexit.register(_report, rdma, task)
     return True
 
@@ -225,8 +227,9 @@ def wrap_flow_task(fed: Any, computing: Any, task: FlowTask) -> bool:
 def _report(rdma: Any, task: FlowTask) -> None:
     """At the end of the task: what crossed the channel, in the task log; then close the endpoint."""
     s = rdma.stats
-    log.info("fate-rdma: counters for %s: rdma_transfers=%d rdma_bytes=%d fate_fallbacks=%d rdma_seconds=%.3f",
-             task.label, s["rdma_transfers"], s["rdma_bytes"], s["fate_fallbacks"], s["rdma_seconds"])
+    log.info("fate-rdma: counters for %s: rdma_transfers=%d rdma_bytes=%d fate_fallbacks=%d rdma_seconds=%.3f "
+             "small_transfers=%d", task.label, s["rdma_transfers"], s["rdma_bytes"], s["fate_fallbacks"],
+             s["rdma_seconds"], s["small_transfers"])
     try:
         rdma.close()
     except Exception:  # the process is ending; the counters are what matters
