@@ -266,11 +266,6 @@ class Connection:
         """The QPs chunks are striped over now (policy.qps_in_use)."""
         return qps_in_use(self.cfg.qps_per_peer, self.probe.rtt_s, len(self.rcs))
 
-    @property
-    def same_host(self) -> bool:
-        """Do this connection's payloads move by the soft provider's same-host copy (no wire)?"""
-        return bool(self.rcs) and all(str(getattr(rc.qp, "data_path", "")).startswith("same-host") for rc in self.rcs)
-
     def next_qp(self) -> ev.QP:
         self._rr = (self._rr + 1) % self.active_qps
         return self.rcs[self._rr].qp

@@ -41,6 +41,11 @@ log = logging.getLogger("fate_rdma.channel")
 ROOM_WAIT_S_PER_GIB = 0.5
 
 
+
+def _same_host(conn: "Connection") -> bool:
+    """Do `conn`'s payloads move by the soft provider's same-host copy (no wire)?"""
+    return bool(conn.rcs) and all(str(getattr(rc.qp, "data_path", "")).startswith("same-host") for rc in conn.rcs)
+
 class SlotSender:
     """Posts FedRDMA-E transfers into the peer's receive slots and follows them to the peer's verdict."""
 
@@ -75,7 +80,7 @@ class SlotSender:
         o.slot = slot
         tid, cfg = o.fut.transfer_id, self.conn.cfg
         m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total,
-                             slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, self.conn.same_host), window,
+                             slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, _same_host(self.conn)), window,
                              slot_payload_bytes=self.offer.slot_payload_bytes, room_bytes=self.ring.capacity[slot],
                              header_after_all=self.conn.active_qps > 1, **common)
         if m.state is P.fedrdma.SendState.GROWING:
