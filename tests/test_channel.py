@@ -447,3 +447,38 @@ def test_two_endpoints_dialing_each_other_at_once_lose_nothing():
         finally:
             a.close()
             b.close()
+
+
+def test_a_dial_that_finishes_after_the_peers_dial_was_accepted_keeps_both(monkeypatch):
+    """The other ordering of a simultaneous dial: while A's own dial to B authenticates, A accepts B's
+    dial. A keeps the accepted connection as the first and its own as the spare (none untracked, none
+    closed), and when the first ends the spare takes over without a new dial."""
+    from fate_rdma.channel import endpoint as endpoint_mod
+
+    cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=1 << 20)
+    a, b = Endpoint(cfg), Endpoint(cfg)
+    real = endpoint_mod.authenticate
+    try:
+        def dial_after_peer(boot, name, secret, dialer, **kw):
+            if dialer and name == a.name:  # B's dial to A completes in the middle of A's dial to B
+                b.connect(a.address)
+                wait_for(lambda: a._conns.get(b.address) is not None, 10, "A to accept B's dial")
+            return real(boot, name, secret, dialer=dialer, **kw)
+
+        monkeypatch.setattr(endpoint_mod, "authenticate", dial_after_peer)
+        got = a.connect(b.address)
+        monkeypatch.setattr(endpoint_mod, "authenticate", real)
+        accepted, spare = a._conns[b.address], a._extra.get(b.address)
+        assert got is accepted and spare is not None and spare is not accepted
+        assert accepted.dead is None and spare.dead is None
+        assert len(a._all_conns()) == 2
+        a.send(b.address, b"on the first", {}).result(30)
+        assert bytes(b.recv(timeout=30).detach()) == b"on the first"
+        accepted.close()
+        wait_for(lambda: a._conns.get(b.address) is spare, 10, "the spare to take over")
+        assert a.connect(b.address) is spare
+        a.send(b.address, b"on the spare", {}).result(30)
+        assert bytes(b.recv(timeout=30).detach()) == b"on the spare"
+    finally:
+        a.close()
+        b.close()

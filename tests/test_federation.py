@@ -4,6 +4,7 @@ fate-rdma giving bitwise identical weights."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ fate = pytest.importorskip("fate.arch.federation", reason="FATE (pyfate) is not 
 
 from fate_rdma import errors as E  # noqa: E402
 from fate_rdma.federation import activate  # noqa: E402
+from fate_rdma.federation import wrapper as wrapper_mod  # noqa: E402
 from fate_rdma.federation.wrapper import DESC_MAGIC  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,6 +248,10 @@ def test_config_errors():
         RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "fallback": "maybe"})
     with pytest.raises(E.ConfigError, match="unknown key"):
         RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "chunk": 1})
+    for key, bad in (("get_timeout_s", 0), ("get_timeout_s", "long"), ("pull_timeout_s", -1)):
+        with pytest.raises(E.ConfigError, match=f"{key} must be a positive number of seconds"):
+            RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, key: bad})
+    assert RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}}).get_timeout_s == 86400
     cfg = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "mode": "fedrdma", "window": 3})
     assert cfg.channel.mode == "fedrdma" and cfg.channel.window == 3
     with pytest.raises(E.ConfigError, match="no entry for party host:2"):
@@ -369,20 +375,32 @@ def test_channel_descriptors_need_proven_senders_and_no_fallback(guest, tmp_path
 
 
 def test_parties_with_different_descriptors_are_told(guest, tmp_path, caplog):
-    """A guest that announces over the channel and a host that waits for FATE's descriptor: the host says
-    why (and lets the payload go) instead of waiting in silence."""
+    """A guest that announces over the channel and a host that waits for FATE's descriptor cannot connect:
+    the guest's put fails at once naming both settings (the host would otherwise wait for a descriptor
+    that never comes), and the host's log says why it refused the connection."""
     eps = endpoints()
     host_sec = channel_descriptors(eps, tmp_path, descriptors="fate", pull_timeout_s=3)
     ctx, fed, host = guest(channel_descriptors(eps, tmp_path), host_sec, "s-mix")
-    ctx.hosts[0].put("w", np.zeros(300_000))
-    assert fed.fate_rdma.flush(20)  # delivered to the host's endpoint
-    time.sleep(1.5)  # its receive loop has looked at it
+    with pytest.raises(Exception, match="uses descriptors: fate and this side descriptors: channel"):
+        ctx.hosts[0].put("w", np.zeros(300_000))
+    time.sleep(1.0)  # the host's side of the refused handshake has been logged
     host.kill()
     _, err = host.communicate(timeout=30)
-    assert "sends with descriptors: channel" in err and "receives with descriptors: fate" in err
+    assert "uses descriptors: channel and this side descriptors: fate" in err
 
 
-def test_announced_objects_are_checked(guest, tmp_path):
+def test_a_peer_without_terms_that_sends_the_other_way_is_still_named(guest, tmp_path, caplog):
+    """An endpoint that predates the hello's terms (or lies) and announces over the channel to a party
+    with descriptors: fate: the receiver names the mismatch instead of waiting in silence."""
+    eps = endpoints()
+    ctx, fed, host = guest(channel_descriptors(eps, tmp_path, descriptors="fate"), None, "s-mix-old")
+    shim = fed.fate_rdma
+    with caplog.at_level(logging.ERROR, logger="fate_rdma.federation"):
+        shim._mismatch({"announce": True, "name": "w", "tag": "t", "src": "host:10000"}, eps["host:10000"])
+    assert "sends with descriptors: channel" in caplog.text and "receives with descriptors: fate" in caplog.text
+
+
+def test_announced_objects_are_checked(guest, tmp_path, monkeypatch, caplog):
     """What a peer announces over the channel is for this job and party, from the party whose endpoint the
     connection proved; a (name, tag) that arrives twice before its get is refused; the length is checked."""
     eps = endpoints()
@@ -409,6 +427,14 @@ def test_announced_objects_are_checked(guest, tmp_path):
     shim._store.put(k, ({**good, "length": 4}, b"abc"))
     with pytest.raises(E.IntegrityError, match="3 bytes arrived"):
         shim._take_announced("w", "t", HOST)
-    shim.cfg = shim.cfg.__class__(**{**shim.cfg.__dict__, "pull_timeout_s": 0.2})
-    with pytest.raises(E.TransferTimeout, match="'w' \\(tag 't'\\) from party host:10000 did not arrive"):
+    # the wait covers the sender's work before its put: get_timeout_s, not pull_timeout_s; it says it waits
+    shim.cfg = shim.cfg.__class__(**{**shim.cfg.__dict__, "pull_timeout_s": 0.05, "get_timeout_s": 5.0})
+    monkeypatch.setattr(wrapper_mod, "WAIT_REMIND_S", 0.1)
+    late = threading.Timer(0.6, shim._store.put, (k, (good, b"abc")))
+    late.start()
+    with caplog.at_level(logging.INFO, logger="fate_rdma.federation"):
+        assert shim._take_announced("w", "t", HOST) == b"abc"
+    assert "still waiting for fate-rdma: 'w' (tag 't') from party host:10000" in caplog.text
+    shim.cfg = shim.cfg.__class__(**{**shim.cfg.__dict__, "get_timeout_s": 0.3})
+    with pytest.raises(E.TransferTimeout, match="'w' \\(tag 't'\\) from party host:10000 did not arrive within 0.3 s"):
         shim._take_announced("w", "t", HOST)

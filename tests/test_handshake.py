@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fate_rdma import errors as E
-from fate_rdma.channel.handshake import Hello, PoolOffer, StagingOffer
+from fate_rdma.channel.handshake import Hello, PoolOffer, StagingOffer, agree_terms
 
 GOOD = {"fate_rdma": 1, "name": "host:10000", "qps": 2,
         "pool": {"slots": 2, "slot_payload_bytes": 1 << 20, "meta_cap": 65536},
@@ -31,6 +31,17 @@ def test_round_trip():
     assert h == Hello("host:10000", 2, PoolOffer(2, 1 << 20, 65536), StagingOffer(8, (1 << 20) + 64 + 65536, 65536))
     assert Hello.from_wire(h.to_wire(), "peer") == h
     assert Hello.from_wire(dict(GOOD, pool=None, staging=None), "peer").pool is None
+
+
+def test_terms_both_sides_announce_must_match():
+    peer = Hello.from_wire(dict(GOOD, terms={"descriptors": "fate"}), "peer")
+    assert peer.terms == {"descriptors": "fate"} and Hello.from_wire(peer.to_wire(), "peer") == peer
+    agree_terms({"descriptors": "fate"}, peer)
+    agree_terms(None, peer)  # this side has no say
+    agree_terms({"descriptors": "channel"}, Hello.from_wire(GOOD, "peer"))  # a peer that predates terms
+    agree_terms({"other": "x"}, peer)  # a key only one side announces
+    with pytest.raises(E.ConfigError, match="host:10000 uses descriptors: fate and this side descriptors: channel"):
+        agree_terms({"descriptors": "channel"}, peer)
 
 
 def test_offsets():
@@ -63,6 +74,10 @@ def test_offsets():
     (("staging", "count"), KeyError, "count"),
     (("staging", "buf_bytes"), 10, "buf_bytes"),
     (("staging", "meta_cap"), None, "meta_cap"),
+    (("terms",), ["descriptors"], "terms"),
+    (("terms",), {"descriptors": 1}, "terms"),
+    (("terms",), {"x" * 65: "y"}, "terms"),
+    (("terms",), {str(i): "v" for i in range(9)}, "terms"),
 ])
 def test_every_malformed_field_is_a_protocol_error_naming_it(path, value, names):
     with pytest.raises(E.RemoteProtocolError, match=names):

@@ -114,6 +114,33 @@ def test_a_large_copy_is_split_across_threads_and_lands_whole(monkeypatch):
     assert len(threads) == 2 and any(t.startswith("easypyverbs-soft-copy") for t in threads)
 
 
+
+def test_a_copy_with_no_free_helper_does_its_parts_itself_instead_of_queueing(monkeypatch):
+    """Several copies at once (one per peer): a part no helper is free for is copied by the caller, so no
+    copy waits behind another's; more parts than helpers (threads=3 with one helper) works too."""
+    n = 6 << 20
+    src = np.random.default_rng(6).integers(0, 256, n, dtype=np.uint8)
+    samehost._helper_pool()
+    workers = max(1, samehost.COPY_THREADS - 1)
+    for _ in range(workers):  # every helper busy with another copy
+        assert samehost._idle.acquire(timeout=5)
+    threads = []
+    real = samehost._read
+    monkeypatch.setattr(samehost, "_read", lambda *a: (threads.append(threading.current_thread().name), real(*a)))
+    try:
+        dst = np.zeros(n, dtype=np.uint8)
+        samehost.read_from(os.getpid(), [(src.ctypes.data, n)], [(dst.ctypes.data, n)], threads=3)
+        assert np.array_equal(src, dst)
+        assert threads == [threading.current_thread().name] * 3
+    finally:
+        for _ in range(workers):
+            samehost._idle.release()
+    threads.clear()
+    dst = np.zeros(n, dtype=np.uint8)
+    samehost.read_from(os.getpid(), [(src.ctypes.data, n)], [(dst.ctypes.data, n)], threads=3)
+    assert np.array_equal(src, dst) and len(threads) == 3
+    assert sum(t.startswith("easypyverbs-soft-copy") for t in threads) == min(workers, 2)
+
 def test_a_split_copy_that_cannot_read_a_part_fails_whole():
     n = 4 << 20
     dst = np.zeros(n, dtype=np.uint8)

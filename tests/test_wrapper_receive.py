@@ -1,6 +1,7 @@
 """The federation wrapper's receive loop: if it fails, every waiting get fails at once with the cause."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -52,6 +53,26 @@ def test_payloads_that_arrived_before_the_failure_are_still_delivered():
     store.fail(RuntimeError("boom"))
     assert store.take("early", 1) == b"x"
 
+
+
+def test_the_store_drops_what_nobody_asks_for_and_what_comes_after_its_get_gave_up(caplog):
+    """A peer cannot make a party hold memory without end: an object unclaimed for keep_s after its
+    arrival is dropped, and one that arrives after its get timed out is not kept at all; each is logged."""
+    store = _Store(keep_s=0.3)
+    key = ("obj", "s", "w", "t", "host:1")
+    with pytest.raises(E.TransferTimeout, match="did not arrive within 0.05 s"):
+        store.take(key, 0.05)
+    with caplog.at_level(logging.WARNING, logger="fate_rdma.federation"):
+        store.put(key, b"late")
+        assert len(store) == 0 and store.dropped == 1
+        store.put("unclaimed", b"x" * 100)
+        time.sleep(0.4)
+        store.put("fresh", b"y")  # the next arrival sweeps what has waited too long (the late key is forgotten too)
+        assert len(store) == 1 and store.dropped == 2
+        store.put(key, b"again")  # the given-up key has expired: a new round may use the name again
+    assert store.take(key, 1) == b"again" and store.take("fresh", 1) == b"y"
+    assert "'w' (tag 't') from party host:1: it arrived after its get gave up" in caplog.text
+    assert "payload unclaimed: no get asked for it within 0.3 s" in caplog.text
 
 class OneMessageEndpoint:
     """Delivers one payload, then nothing (as a quiet channel between rounds)."""

@@ -32,7 +32,7 @@ from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .auth import Identity
-from .handshake import (Hello, PoolOffer, StagingOffer, agree_checksum, bootstrap_closed, confirm_posted,
+from .handshake import (Hello, PoolOffer, StagingOffer, agree_checksum, agree_terms, bootstrap_closed, confirm_posted,
                         exchange_hello)
 from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
@@ -83,10 +83,12 @@ class Connection:
         staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                    if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
         offer_qps = AUTO_QPS_MAX if cfg.qps_per_peer == "auto" else int(cfg.qps_per_peer)
-        peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum), t)
+        peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum,
+                                          self.endpoint.terms), t)
         if peer.name != self.identity.name:
             raise RemoteProtocolError(f"peer authenticated as {self.identity.name!r} names itself {peer.name!r} in its hello")
         agree_checksum(cfg.checksum, peer)
+        agree_terms(self.endpoint.terms, peer)
         self.peer = peer.name
         self.peer_hello = peer
         nqps = max(1, min(offer_qps, peer.qps))

@@ -30,11 +30,13 @@ class Endpoint:
 
     def __init__(self, config: ChannelConfig = ChannelConfig(), host: str = "127.0.0.1", port: int = 0,
                  name: Optional[str] = None, allowed_peers: Optional[Iterable[str]] = None,
-                 party_names: Optional[Mapping[str, str]] = None) -> None:
+                 party_names: Optional[Mapping[str, str]] = None, terms: Optional[Mapping[str, str]] = None) -> None:
         """`allowed_peers`: the names (party endpoint addresses) that may connect here; None = any
         peer that proves the federation's secret. `party_names` (tls: true): endpoint name -> the party
-        ("role:party_id") its certificate must name; a name not in it must be named itself."""
+        ("role:party_id") its certificate must name; a name not in it must be named itself. `terms`:
+        settings of the layer above that every peer must share (checked in the hello; handshake.py)."""
         self.config = config
+        self.terms = dict(terms) if terms else None
         self.secret = load_secret(config.secret_file) if config.secret_file else None
         if self.secret is None and not config.tls and not _loopback(host):
             raise ConfigError(f"fate-rdma endpoint on {host}: without authentication an endpoint may only listen on "
@@ -167,14 +169,14 @@ class Endpoint:
         """The connection to the endpoint at `address` (host:port), made on first use and reused. With
         authentication on, the endpoint there must prove that its name is `address`."""
         with self._lock:
-            conn = self._conns.get(address)
-            if conn is not None and conn.dead is None:
+            conn = self._live(address)
+            if conn is not None:
                 return conn
             gate = self._dialing.setdefault(address, threading.Lock())
         with gate:
             with self._lock:
-                conn = self._conns.get(address)
-                if conn is not None and conn.dead is None:
+                conn = self._live(address)
+                if conn is not None:
                     return conn
             host, _, port = address.rpartition(":")
             deadline = time.monotonic() + self.config.connect_timeout_s
@@ -212,10 +214,27 @@ class Endpoint:
                 boot.close()
                 raise
             with self._lock:
-                self._conns[address] = conn
-                if conn.peer != address and not who.authenticated:
-                    self._conns.setdefault(conn.peer, conn)
+                live, spare = self._live(address), None
+                if live is not None:  # our accept of the peer's own dial finished first: that one stays the
+                    spare, self._extra[address] = self._extra.get(address), conn  # first, ours is its spare
+                else:
+                    self._conns[address] = conn
+                    if conn.peer != address and not who.authenticated:
+                        self._conns.setdefault(conn.peer, conn)
+            if spare is not None:
+                spare.close()
+            return live or conn
+
+    def _live(self, address: str) -> Optional[Connection]:
+        """The live connection to `address`, the spare promoted if the first has ended (lock held)."""
+        conn = self._conns.get(address)
+        if conn is not None and conn.dead is None:
             return conn
+        spare = self._extra.get(address)
+        if spare is not None and spare.dead is None:
+            self._conns[address] = self._extra.pop(address)
+            return spare
+        return None
 
     def _forget(self, conn: Connection) -> None:
         with self._lock:

@@ -17,6 +17,10 @@ Hello (version 1):
     checksum   "crc32c", "blake2b" or "none": what it requires of every transfer it receives, which is
                also what it sends with (one setting per endpoint). Absent (an endpoint that predates
                it): not checked here; its frames still meet the receiver's rule one by one.
+    terms      null or {str: str} (at most MAX_TERMS, short): settings of the layer above the channel that
+               both ends must share (the FATE wrapper's `descriptors`); a key both announce with different
+               values fails the connection on both sides with a ConfigError naming both. Absent (an
+               endpoint that predates it): not checked.
 
 Checksum agreement: each side compares the peer's announced checksum with its own, and a difference
 fails the connection on both sides with a ConfigError that names both settings, before any memory is
@@ -38,6 +42,7 @@ from ..protocol.integrity import KINDS as CHECKSUMS
 
 VERSION = 1
 MAX_QPS = 64
+MAX_TERMS, MAX_TERM_CHARS = 8, 64
 MAX_NAME = 256
 MAX_SLOTS = 1024
 MAX_STAGING = 1024
@@ -127,12 +132,14 @@ class Hello:
     pool: Optional[PoolOffer] = None
     staging: Optional[StagingOffer] = None
     checksum: Optional[str] = None
+    terms: Optional[Dict[str, str]] = None
     version: int = VERSION
 
     def to_wire(self) -> Dict[str, Any]:
         return {"fate_rdma": self.version, "name": self.name, "qps": self.qps,
                 "pool": dataclasses.asdict(self.pool) if self.pool else None,
-                "staging": dataclasses.asdict(self.staging) if self.staging else None, "checksum": self.checksum}
+                "staging": dataclasses.asdict(self.staging) if self.staging else None, "checksum": self.checksum,
+                "terms": self.terms}
 
     @classmethod
     def from_wire(cls, obj: Any, where: str) -> "Hello":
@@ -152,9 +159,15 @@ class Hello:
         if checksum is not None and checksum not in CHECKSUMS:
             raise RemoteProtocolError(f"hello from {where}: field 'checksum' must be one of {CHECKSUMS} or null, "
                                       f"got {checksum!r}"[:300])
+        terms = obj.get("terms")
+        if terms is not None and not (isinstance(terms, dict) and len(terms) <= MAX_TERMS and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_TERM_CHARS and len(v) <= MAX_TERM_CHARS
+                for k, v in terms.items())):
+            raise RemoteProtocolError(f"hello from {where}: field 'terms' must be null or an object of at most "
+                                      f"{MAX_TERMS} strings of at most {MAX_TERM_CHARS} characters")
         return cls(name, _int(obj, "qps", 1, MAX_QPS, where),
                    PoolOffer.from_wire(pool, where) if pool is not None else None,
-                   StagingOffer.from_wire(staging, where) if staging is not None else None, checksum)
+                   StagingOffer.from_wire(staging, where) if staging is not None else None, checksum, terms)
 
 
 def exchange_hello(boot: ev.BootstrapConn, mine: Hello, timeout_s: float) -> Hello:
@@ -167,6 +180,15 @@ def agree_checksum(mine: str, peer: Hello) -> None:
     if peer.checksum is not None and peer.checksum != mine:
         raise ConfigError(f"fate-rdma: {peer.name} has checksum {peer.checksum!r} and this side {mine!r}; a receiver "
                           f"requires its checksum of every transfer: set the same checksum at every party")
+
+
+def agree_terms(mine: Optional[Mapping[str, str]], peer: Hello) -> None:
+    """Settings of the layer above that both sides must share: a key both announce must match."""
+    for key, value in (mine or {}).items():
+        theirs = (peer.terms or {}).get(key)
+        if theirs is not None and theirs != value:
+            raise ConfigError(f"fate-rdma: {peer.name} uses {key}: {theirs} and this side {key}: {value}; set the same "
+                              f"{key} at every party")
 
 
 def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:

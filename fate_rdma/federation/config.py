@@ -5,7 +5,9 @@
       mode: fedrdma-e            # any ChannelConfig key: chunk_bytes, window, provider, device, ...
       threshold_bytes: 1048576   # pickles at or above this go over the channel (default 1 MiB)
       fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path, logged once)
-      pull_timeout_s: 600        # how long a get() waits for the payload after its descriptor arrived
+      pull_timeout_s: 600        # descriptors: fate: how long a get() waits for the payload after its descriptor arrived
+      get_timeout_s: 86400       # descriptors: channel: how long a get() waits for its object, the sender's work
+                                 # before its put included (a round of local training); logged every 5 min
       descriptors: auto          # how a get learns what was put: "channel" (every object and its description
                                  # over the channel, FATE's path unused: lower latency; needs secret_file or
                                  # tls, and fallback: error), "fate" (a small descriptor through FATE's own
@@ -28,8 +30,8 @@ from typing import Any, Dict, Optional, Tuple
 from ..config import ChannelConfig
 from ..errors import ConfigError
 
-FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "put_buffer_bytes", "endpoints", "listen_host",
-            "descriptors"}
+FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_timeout_s", "put_buffer_bytes", "endpoints",
+            "listen_host", "descriptors"}
 
 
 def party_key(party: Tuple[str, str]) -> str:
@@ -43,7 +45,11 @@ class RdmaFederationConfig:
     #: 1 MiB: FATE's own max_message_size; anything FATE would slice goes over the channel instead
     threshold_bytes: int = 1 << 20
     fallback: str = "error"
+    #: descriptors: fate: a get's wait for a payload its descriptor (through FATE) has announced
     pull_timeout_s: float = 600.0
+    #: descriptors: channel: a get's wait for its object, which starts before the sender has made it (its
+    #: local training round included), as FATE's own get waits; a day, beyond any sane round
+    get_timeout_s: float = 86400.0
     #: buffered puts (MPI_Bsend's idea): a put copies its arrays into a recycled buffer, pushes its
     #: descriptor and returns, and the bytes go in the background, so puts to several parties in turn
     #: (FATE's SecureAggregatorServer) overlap; at most this many bytes in flight, 0 = every put waits
@@ -72,8 +78,10 @@ class RdmaFederationConfig:
             raise ConfigError("fate_rdma.threshold_bytes must be positive")
         if isinstance(self.put_buffer_bytes, bool) or not isinstance(self.put_buffer_bytes, int) or self.put_buffer_bytes < 0:
             raise ConfigError(f"fate_rdma.put_buffer_bytes must be a byte count >= 0, got {self.put_buffer_bytes!r}")
-        if self.pull_timeout_s <= 0:
-            raise ConfigError("fate_rdma.pull_timeout_s must be positive")
+        for key in ("pull_timeout_s", "get_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"fate_rdma.{key} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.endpoints, dict) or not self.endpoints:
             raise ConfigError("fate_rdma.endpoints must map 'role:party_id' to 'host:port' for every party")
         for k, v in self.endpoints.items():

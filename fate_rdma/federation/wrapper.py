@@ -35,23 +35,51 @@ log = logging.getLogger("fate_rdma.federation")
 DESC_MAGIC = b"\xfeFATE-RDMA-DESC\x01"
 #: reported to FATE as the max message size, so pickles arrive here whole instead of sliced
 UNSLICED = 1 << 62
+#: a get that has waited this long for its object says so in the log, and again each time as long
+WAIT_REMIND_S = 300.0
 
 
 class _Store:
-    """Payloads that arrived over the channel, by transfer id, until FATE's get() asks for them."""
+    """Payloads that arrived over the channel, by transfer id (descriptors: fate) or by (session, name, tag,
+    source party) (descriptors: channel), until FATE's get() asks for them. Nothing stays for ever: an
+    item nobody asked for within `keep_s` of its arrival is dropped, and one that arrives after its get
+    gave up is dropped at once (each logged), so a peer cannot make this party hold memory without end."""
 
-    def __init__(self) -> None:
-        self._items: Dict[str, Any] = {}
+    def __init__(self, keep_s: float = 86400.0) -> None:
+        self._items: Dict[Any, Any] = {}
+        self._arrived: Dict[Any, float] = {}  # key -> when it arrived, oldest first
+        self._gave_up: Dict[Any, float] = {}  # keys whose get timed out -> when, oldest first
         self._cv = threading.Condition()
         self._failed: Optional[BaseException] = None
+        self.keep_s = keep_s
+        self.dropped = 0
 
     def put(self, key: Any, data: Any) -> None:
         with self._cv:
+            now = time.monotonic()
+            self._expire(now)
+            if key in self._gave_up:
+                self.dropped += 1
+                log.warning("fate-rdma: dropped %s: it arrived after its get gave up waiting", _what(key))
+                return
             if isinstance(key, tuple) and key in self._items:  # an announced (name, tag) twice: its get picks neither
                 data = IntegrityError(f"fate-rdma: {key[2]!r} (tag {key[3]!r}) from party {key[4]} arrived twice "
                                       "before its get")
             self._items[key] = data
+            self._arrived.pop(key, None)
+            self._arrived[key] = now
             self._cv.notify_all()
+
+    def _expire(self, now: float) -> None:
+        for book in (self._arrived, self._gave_up):
+            for key, at in list(book.items()):
+                if now - at < self.keep_s:
+                    break
+                del book[key]
+                if book is self._arrived and self._items.pop(key, None) is not None:
+                    self.dropped += 1
+                    log.warning("fate-rdma: dropped %s: no get asked for it within %g s of its arrival", _what(key),
+                                self.keep_s)
 
     def fail(self, exc: BaseException) -> None:
         """Nothing more can arrive: every waiting and later `take` of a missing key raises at once."""
@@ -59,21 +87,40 @@ class _Store:
             self._failed = exc
             self._cv.notify_all()
 
-    def take(self, key: Any, timeout_s: float, what: str = "") -> Any:
+    def take(self, key: Any, timeout_s: float, what: str = "", remind_s: float = 0.0) -> Any:
+        """The item under `key`, waiting up to `timeout_s`; every `remind_s` (0: never) of waiting, a log line
+        says what it still waits for, so a long wait is never silent."""
         what = what or f"payload {key} announced by its descriptor"
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         with self._cv:
-            if not self._cv.wait_for(lambda: key in self._items or self._failed is not None, timeout_s):
-                raise TransferTimeout(f"{what} did not arrive within {timeout_s:g} s")
+            while True:
+                left = deadline - time.monotonic()
+                step = min(left, remind_s) if remind_s > 0 else left
+                if self._cv.wait_for(lambda: key in self._items or self._failed is not None, max(0.0, step)):
+                    break
+                if time.monotonic() >= deadline:
+                    self._gave_up[key] = time.monotonic()
+                    raise TransferTimeout(f"{what} did not arrive within {timeout_s:g} s")
+                log.info("fate-rdma: still waiting for %s after %.0f s (at most %g s)", what, time.monotonic() - t0,
+                         timeout_s)
             if key not in self._items:
                 raise PeerUnreachable(f"{what} cannot arrive: fate-rdma's receive loop failed: "
                                       f"{self._failed!r}") from self._failed
             item = self._items.pop(key)
+            self._arrived.pop(key, None)
         if isinstance(item, BaseException):
             raise item
         return item
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _what(key: Any) -> str:
+    if isinstance(key, tuple):
+        return f"{key[2]!r} (tag {key[3]!r}) from party {key[4]}"
+    return f"payload {key}"
 
 
 class RdmaFederation:
@@ -85,10 +132,12 @@ class RdmaFederation:
         me = cfg.address_of(self.local)
         host, _, port = me.rpartition(":")
         # only the job's parties may connect, each proving its own endpoint address (with a secret)
+        self.announce = cfg.descriptors_in_use == "channel"
+        # a peer that resolved descriptors otherwise cannot connect: its puts fail at once, naming both
         self.endpoint = Endpoint(cfg.channel, cfg.listen_host or host, int(port), name=me,
                                  allowed_peers=set(cfg.endpoints.values()) - {me},
-                                 party_names={addr: party for party, addr in cfg.endpoints.items()})  # tls: true
-        self.announce = cfg.descriptors_in_use == "channel"
+                                 party_names={addr: party for party, addr in cfg.endpoints.items()},  # tls: true
+                                 terms={"descriptors": cfg.descriptors_in_use})
         if self.announce and not cfg.proven_senders:
             self.endpoint.close()
             raise ConfigError("fate_rdma.descriptors: channel needs proven senders: set secret_file (or tls) at every "
@@ -99,7 +148,7 @@ class RdmaFederation:
         self._orig_destroy: Callable[..., Any] = fed._destroy
         self._orig_max = fed.get_default_max_message_size()
         self.threshold = min(cfg.threshold_bytes, self._orig_max)
-        self._store = _Store()
+        self._store = _Store(keep_s=cfg.get_timeout_s)
         self._warned_fallback: set = set()
         self._fallback_tables: List[Any] = []
         # rdma_*: payloads at or above threshold_bytes (or array frames); small_transfers: smaller objects that
@@ -395,8 +444,11 @@ class RdmaFederation:
     def _take_announced(self, name: str, tag: str, party: Tuple[str, str]) -> Any:
         """descriptors: channel: the object `party` put under (name, tag), with its announced fields checked."""
         t0 = time.perf_counter()
-        md, data = self._store.take(("obj", self.fed.session_id, name, tag, party_key(party)), self.cfg.pull_timeout_s,
-                                    f"fate-rdma: {name!r} (tag {tag!r}) from party {party_key(party)}")
+        # the wait includes the sender's own work before its put (a round of local training), as FATE's
+        # get does: get_timeout_s, not pull_timeout_s (a payload already under way)
+        md, data = self._store.take(("obj", self.fed.session_id, name, tag, party_key(party)), self.cfg.get_timeout_s,
+                                    f"fate-rdma: {name!r} (tag {tag!r}) from party {party_key(party)}",
+                                    remind_s=WAIT_REMIND_S)
         self.stats["payload_wait_seconds"] += time.perf_counter() - t0
         try:
             length, crc = int(md["length"]), md.get("crc32c")
@@ -431,6 +483,9 @@ class RdmaFederation:
                           "gets will fail", party_key(self.local), self.cfg.channel.transfer_timeout_s)
             if self._deferred is not None:
                 log.error("fate-rdma: %s: %s", party_key(self.local), self._deferred)
+            if self._store.dropped:
+                log.warning("fate-rdma: %s dropped %d object(s) no get took (see the warnings above)",
+                            party_key(self.local), self._store.dropped)
             self._stop = True
             self._fallback_tables.clear()
             self.endpoint.close()

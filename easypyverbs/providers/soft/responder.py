@@ -109,7 +109,7 @@ class Responder:
             return True
         try:
             samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
-        except OSError as exc:
+        except Exception as exc:  # OSError from the kernel; anything else must fail this request, not the thread
             self._answer(rd.sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
                          why=f"cannot read the requester's memory: {exc}")
             return False

@@ -35,6 +35,7 @@ SPLIT_MIN_BYTES = 1 << 20
 _readv = None
 _helpers: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _helpers_lock = threading.Lock()
+_idle = threading.Semaphore(0)  # helper threads free now (set with the pool)
 
 
 class _IOVec(ctypes.Structure):
@@ -87,18 +88,28 @@ def _take(spans: List[Span], n: int) -> List[Span]:
 
 
 def _helper_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _helpers
+    global _helpers, _idle
     with _helpers_lock:
         if _helpers is None:
-            _helpers = concurrent.futures.ThreadPoolExecutor(max_workers=COPY_THREADS - 1,
+            workers = max(1, COPY_THREADS - 1)
+            _idle = threading.Semaphore(workers)
+            _helpers = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                              thread_name_prefix="easypyverbs-soft-copy")
         return _helpers
+
+
+def _helped(pid: int, remote: List[Span], local: List[Span]) -> None:
+    try:
+        _read(pid, remote, local)
+    finally:
+        _idle.release()
 
 
 def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: int = 0) -> None:
     """Copy the bytes at `remote` in process `pid` into `local` here (equal totals); OSError on failure.
     A large copy is split into `threads` parts (default COPY_THREADS) done at once: this thread does the
-    first, helper threads the rest."""
+    first, idle helper threads the rest; a part no helper is free for (other copies hold them) is done
+    here too, so concurrent copies never queue behind each other."""
     rem, loc = [s for s in remote if s[1]], [s for s in local if s[1]]
     total = sum(n for _, n in rem)
     parts = max(1, min(threads or COPY_THREADS, total // SPLIT_MIN_BYTES))
@@ -110,10 +121,15 @@ def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: 
     pieces = []
     for off in range(0, total, step):
         pieces.append((_take(_advance(rem, off), step), _take(_advance(loc, off), step)))
-    pool = _helper_pool()
-    futures = [pool.submit(_read, pid, r, l) for r, l in pieces[1:]]
+    pool, futures, mine = _helper_pool(), [], [pieces[0]]
+    for r, l in pieces[1:]:
+        if _idle.acquire(blocking=False):
+            futures.append(pool.submit(_helped, pid, r, l))
+        else:
+            mine.append((r, l))
     try:
-        _read(pid, *pieces[0])
+        for r, l in mine:
+            _read(pid, r, l)
     finally:
         errors = [f.exception() for f in futures]  # every part ends before the caller reuses the memory
     for e in errors:
