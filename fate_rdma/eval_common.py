@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from . import wan
+from .bench.report import loadavg  # noqa: F401  (re-exported to the eval modules)
 
 MiB = 1 << 20
 SOFT = "soft provider = emulation (verbs emulated over TCP), not RDMA"
@@ -28,10 +29,6 @@ PAPER_TABLE4 = (("FedLLM (FATE gRPC)", 13.8, 24.6), ("FedRDMA", 60.0, 9.4), ("Fe
 def machine() -> str:
     return (f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} cores (shared), "
             f"Python {platform.python_version()}")
-
-
-def loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def size(n: Optional[int]) -> str:

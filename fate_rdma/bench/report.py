@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from typing import Any, Dict, List, Sequence, TextIO
@@ -11,7 +12,15 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def loadavg() -> str:
+    """The machine's load average (1, 5, 15 min): printed with every result, since on a shared machine
+    the load beside a run moves its figures."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def emit(row: Dict[str, Any], out: TextIO = sys.stdout) -> None:
+    """One JSON line; it carries the 1-minute load average at the time it was measured."""
+    row.setdefault("loadavg_1m", round(os.getloadavg()[0], 2))
     out.write(json.dumps(row, sort_keys=False) + "\n")
     out.flush()
 
@@ -28,6 +37,7 @@ def table(rows: List[Dict[str, Any]], columns: List[str], out: TextIO = sys.stdo
     out.write("  ".join("-" * w for w in widths) + "\n")
     for row in cells:
         out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)) + "\n")
+    out.write(f"load average (1, 5, 15 min) now: {loadavg()}\n")
     out.flush()
 
 
