@@ -14,8 +14,10 @@ cross their own links and the arbiter's; the arbiter reaches the queue inside si
 this order, the same payload on the same link in one run:
   fate        FATE's OSX engine: FATE's serializer, the payload as one message through the queue
               (max_message_size raised: FATE's slicing into a table fails on standalone computing)
-  fedrdma-e   fate-rdma wrapping the same OSX federation: payloads >= 1 MiB party to party over the
-  fedrdma     channel (soft provider = verbs emulated over TCP, not RDMA), descriptors through the queue
+  fedrdma-e   fate-rdma wrapping the same OSX federation: payloads party to party over the
+  fedrdma     channel (soft provider = verbs emulated over TCP, not RDMA); with the job's secret,
+              descriptors: channel (the default then): what each get waits for rides the channel too, and
+              nothing of the job goes through the queue
 Every link has the given rate, RTT/2 of one-way delay and loss; the two clients' uploads share the
 arbiter's link. A fresh queue per method (its counters say what went through it). Before each job,
 one untimed warm-up exchange (1 MiB each way between each client and the arbiter, every method
@@ -68,8 +70,8 @@ QUEUE_SITE = 0
 ENDPOINT_PORT = 18700      # each site is its own namespace: a fixed port per method cannot collide
 QUEUE = "the project's OSX-compatible queue (fate_rdma.bench.osx_queue), not a real OSX/rollsite deployment"
 PATHS = {"fate": "FATE OSX engine: FATE's serializer, payload as one message through the queue",
-         "fedrdma-e": "fate-rdma fedrdma-e: payload party to party (soft provider), descriptor through the queue",
-         "fedrdma": "fate-rdma fedrdma: payload party to party (soft provider), descriptor through the queue"}
+         "fedrdma-e": "fate-rdma fedrdma-e: every object party to party (soft provider), descriptors: channel",
+         "fedrdma": "fate-rdma fedrdma: every object party to party (soft provider), descriptors: channel"}
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ def section(tb: wan.Testbed, mode: str, plan: Plan, secret: str, port: int, time
     return {"enabled": True, "threshold_bytes": threshold, "fallback": "error", "endpoints": eps, "mode": mode,
             "provider": "soft", "same_host": False, "secret_file": secret, "window": "auto",
             "link_rate_bps": plan.rate_mbit * 1e6, "slot_bytes": up + 16 * MiB, "too_large": "fedrdma",
-            "pull_timeout_s": timeout_s, "connect_timeout_s": 30.0}
+            "pull_timeout_s": timeout_s, "get_timeout_s": timeout_s, "connect_timeout_s": 30.0}
 
 
 def run_method(tb: wan.Testbed, method: str, plan: Plan, secret: str, folder: Path, timeout_s: float,
@@ -397,7 +399,7 @@ def markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str, failed: S
         "before the job, one untimed 1 MiB warm-up exchange each way per client (not counted), so that fate-rdma's "
         "connections (connect, authentication, RTT probe) are open, as FATE's gRPC channel to the queue is",
         "verified: the job's own checks (the average is what it must be; both clients hold the same digest) and the "
-        "payload took the method's path (through the queue, or the channel with only descriptors in the queue)"])
+        "payload took the method's path (through the queue, or the channel with at most descriptors in the queue)"])
     fate = next((r for r in runs if r["method"] == "fate"), None)
     cells = []
     for r in runs:

@@ -76,7 +76,7 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
     conf.write_text(json.dumps({"fate_rdma": {
         "enabled": True, "mode": "fedrdma-e", "provider": provider, "slot_bytes": 8 << 20, "chunk_bytes": 256 << 10,
         "threshold_bytes": 16 << 10,  # the tiny model's payloads are small: send them all over the channel
-        "connect_timeout_s": 5, "pull_timeout_s": 60,
+        "connect_timeout_s": 5, "pull_timeout_s": 60, "get_timeout_s": 120,
         "endpoints": {f"{r}:{pid}": f"127.0.0.1:{port}" for (r, pid), port in
                       zip((("guest", 9999), ("host", 10000), ("arbiter", 10000)), ports)}}}))
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

@@ -53,7 +53,7 @@ def rabbit(tmp_path_factory):
 
 def section(endpoints, **kw):
     base = {"enabled": True, "mode": "fedrdma-e", "slot_bytes": 16 << 20, "provider": "soft", "threshold_bytes": 1 << 20,
-            "endpoints": endpoints, "chunk_bytes": 1 << 20, "connect_timeout_s": 2, "pull_timeout_s": 60}
+            "endpoints": endpoints, "chunk_bytes": 1 << 20, "connect_timeout_s": 2, "pull_timeout_s": 60, "get_timeout_s": 120}
     base.update(kw)
     return base
 
