@@ -248,7 +248,8 @@ def test_config_errors():
         RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "fallback": "maybe"})
     with pytest.raises(E.ConfigError, match="unknown key"):
         RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "chunk": 1})
-    for key, bad in (("get_timeout_s", 0), ("get_timeout_s", "long"), ("pull_timeout_s", -1)):
+    for key, bad in (("get_timeout_s", 0), ("get_timeout_s", "long"), ("pull_timeout_s", -1),
+                     ("pull_timeout_s", float("inf")), ("get_timeout_s", float("nan")), ("get_timeout_s", 1e12)):
         with pytest.raises(E.ConfigError, match=f"{key} must be a positive number of seconds"):
             RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, key: bad})
     assert RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}}).get_timeout_s == 86400
@@ -389,9 +390,9 @@ def test_parties_with_different_descriptors_are_told(guest, tmp_path, caplog):
     assert "uses descriptors: channel and this side descriptors: fate" in err
 
 
-def test_a_peer_without_terms_that_sends_the_other_way_is_still_named(guest, tmp_path, caplog):
-    """An endpoint that predates the hello's terms (or lies) and announces over the channel to a party
-    with descriptors: fate: the receiver names the mismatch instead of waiting in silence."""
+def test_an_announcement_at_a_party_with_fate_descriptors_names_both_settings(guest, tmp_path, caplog):
+    """What the receive loop does with an announced object at a party with descriptors: fate (a peer that
+    predates the hello's terms, or lies there): it names the mismatch instead of waiting in silence."""
     eps = endpoints()
     ctx, fed, host = guest(channel_descriptors(eps, tmp_path, descriptors="fate"), None, "s-mix-old")
     shim = fed.fate_rdma

@@ -139,7 +139,8 @@ def test_a_copy_with_no_free_helper_does_its_parts_itself_instead_of_queueing(mo
     dst = np.zeros(n, dtype=np.uint8)
     samehost.read_from(os.getpid(), [(src.ctypes.data, n)], [(dst.ctypes.data, n)], threads=3)
     assert np.array_equal(src, dst) and len(threads) == 3
-    assert sum(t.startswith("easypyverbs-soft-copy") for t in threads) == min(workers, 2)
+    # at least one part went to the helper (two if it was done with the first before the third was handed out)
+    assert 1 <= sum(t.startswith("easypyverbs-soft-copy") for t in threads) <= 2
 
 def test_a_split_copy_that_cannot_read_a_part_fails_whole():
     n = 4 << 20

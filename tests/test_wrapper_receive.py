@@ -71,6 +71,11 @@ def test_the_store_drops_what_nobody_asks_for_and_what_comes_after_its_get_gave_
         assert len(store) == 1 and store.dropped == 2
         store.put(key, b"again")  # the given-up key has expired: a new round may use the name again
     assert store.take(key, 1) == b"again" and store.take("fresh", 1) == b"y"
+    # a get that asks again for a key whose earlier get gave up takes what arrives now
+    with pytest.raises(E.TransferTimeout):
+        store.take("retried", 0.05)
+    threading.Timer(0.2, store.put, ("retried", b"now")).start()
+    assert store.take("retried", 5) == b"now"
     assert "'w' (tag 't') from party host:1: it arrived after its get gave up" in caplog.text
     assert "payload unclaimed: no get asked for it within 0.3 s" in caplog.text
 

@@ -216,7 +216,11 @@ class Endpoint:
             with self._lock:
                 live, spare = self._live(address), None
                 if live is not None:  # our accept of the peer's own dial finished first: that one stays the
-                    spare, self._extra[address] = self._extra.get(address), conn  # first, ours is its spare
+                    held = self._extra.get(address)  # first, ours is its spare (unless a live spare exists:
+                    if held is not None and held.dead is None:  # ours, unused yet, is the one to close)
+                        spare = conn
+                    else:
+                        self._extra[address] = conn
                 else:
                     self._conns[address] = conn
                     if conn.peer != address and not who.authenticated:

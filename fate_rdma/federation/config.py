@@ -7,7 +7,9 @@
       fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path, logged once)
       pull_timeout_s: 600        # descriptors: fate: how long a get() waits for the payload after its descriptor arrived
       get_timeout_s: 86400       # descriptors: channel: how long a get() waits for its object, the sender's work
-                                 # before its put included (a round of local training); logged every 5 min
+                                 # before its put included (a round of local training); logged every 5 min.
+                                 # An object no get took within max(get_timeout_s, pull_timeout_s) of its
+                                 # arrival is dropped (logged), in either descriptors mode
       descriptors: auto          # how a get learns what was put: "channel" (every object and its description
                                  # over the channel, FATE's path unused: lower latency; needs secret_file or
                                  # tls, and fallback: error), "fate" (a small descriptor through FATE's own
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from typing import Any, Dict, Optional, Tuple
 
 from ..config import ChannelConfig
@@ -32,6 +35,10 @@ from ..errors import ConfigError
 
 FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_timeout_s", "put_buffer_bytes", "endpoints",
             "listen_host", "descriptors"}
+
+
+#: the longest wait a timeout may ask for (a year; Python's own limit is threading.TIMEOUT_MAX)
+MAX_WAIT_S = min(365 * 86400.0, threading.TIMEOUT_MAX)
 
 
 def party_key(party: Tuple[str, str]) -> str:
@@ -80,8 +87,9 @@ class RdmaFederationConfig:
             raise ConfigError(f"fate_rdma.put_buffer_bytes must be a byte count >= 0, got {self.put_buffer_bytes!r}")
         for key in ("pull_timeout_s", "get_timeout_s"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"fate_rdma.{key} must be a positive number of seconds, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S):
+                raise ConfigError(f"fate_rdma.{key} must be a positive number of seconds up to {MAX_WAIT_S:g}, "
+                                  f"got {value!r}")
         if not isinstance(self.endpoints, dict) or not self.endpoints:
             raise ConfigError("fate_rdma.endpoints must map 'role:party_id' to 'host:port' for every party")
         for k, v in self.endpoints.items():

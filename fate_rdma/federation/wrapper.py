@@ -72,8 +72,9 @@ class _Store:
 
     def _expire(self, now: float) -> None:
         for book in (self._arrived, self._gave_up):
-            for key, at in list(book.items()):
-                if now - at < self.keep_s:
+            while book:
+                key = next(iter(book))  # the oldest
+                if now - book[key] < self.keep_s:
                     break
                 del book[key]
                 if book is self._arrived and self._items.pop(key, None) is not None:
@@ -94,13 +95,16 @@ class _Store:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         with self._cv:
+            self._expire(t0)
+            self._gave_up.pop(key, None)  # asked for again: what arrives now is for this get
             while True:
                 left = deadline - time.monotonic()
                 step = min(left, remind_s) if remind_s > 0 else left
                 if self._cv.wait_for(lambda: key in self._items or self._failed is not None, max(0.0, step)):
                     break
                 if time.monotonic() >= deadline:
-                    self._gave_up[key] = time.monotonic()
+                    self._gave_up.pop(key, None)
+                    self._gave_up[key] = time.monotonic()  # the newest: the book stays oldest first
                     raise TransferTimeout(f"{what} did not arrive within {timeout_s:g} s")
                 log.info("fate-rdma: still waiting for %s after %.0f s (at most %g s)", what, time.monotonic() - t0,
                          timeout_s)
@@ -148,7 +152,7 @@ class RdmaFederation:
         self._orig_destroy: Callable[..., Any] = fed._destroy
         self._orig_max = fed.get_default_max_message_size()
         self.threshold = min(cfg.threshold_bytes, self._orig_max)
-        self._store = _Store(keep_s=cfg.get_timeout_s)
+        self._store = _Store(keep_s=max(cfg.get_timeout_s, cfg.pull_timeout_s))
         self._warned_fallback: set = set()
         self._fallback_tables: List[Any] = []
         # rdma_*: payloads at or above threshold_bytes (or array frames); small_transfers: smaller objects that

@@ -123,9 +123,13 @@ def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: 
         pieces.append((_take(_advance(rem, off), step), _take(_advance(loc, off), step)))
     pool, futures, mine = _helper_pool(), [], [pieces[0]]
     for r, l in pieces[1:]:
-        if _idle.acquire(blocking=False):
+        if not _idle.acquire(blocking=False):
+            mine.append((r, l))
+            continue
+        try:
             futures.append(pool.submit(_helped, pid, r, l))
-        else:
+        except RuntimeError:  # the pool is shut down (interpreter exit): this thread copies it
+            _idle.release()
             mine.append((r, l))
     try:
         for r, l in mine:
