@@ -439,3 +439,13 @@ def test_announced_objects_are_checked(guest, tmp_path, monkeypatch, caplog):
     shim.cfg = shim.cfg.__class__(**{**shim.cfg.__dict__, "get_timeout_s": 0.3})
     with pytest.raises(E.TransferTimeout, match="'w' \\(tag 't'\\) from party host:10000 did not arrive within 0.3 s"):
         shim._take_announced("w", "t", HOST)
+    # an object sent with descriptors: fate (a peer that predates the hello's terms) fails the get it was for at
+    # once; one for another session or party fails nothing here
+    fate_md = {"id": "x", "session": "s-ann", "name": "m", "tag": "t", "src": "host:10000", "dst": "guest:9999"}
+    shim._mismatch({**fate_md, "session": "other"}, eps["host:10000"])
+    shim._mismatch({**fate_md, "dst": "arbiter:10000"}, eps["host:10000"])
+    with pytest.raises(E.TransferTimeout):
+        shim._take_announced("m", "t", HOST)
+    shim._mismatch({**fate_md, "name": "n"}, eps["host:10000"])
+    with pytest.raises(E.ConfigError, match="sends with descriptors: fate"):
+        shim._take_announced("n", "t", HOST)

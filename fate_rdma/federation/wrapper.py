@@ -231,7 +231,8 @@ class RdmaFederation:
                           "secret_file, tls, fallback) at every party")
         log.error("%s", err)
         name, tag, src = md.get("name"), md.get("tag"), self._party_at.get(peer)
-        if self.announce and isinstance(name, str) and isinstance(tag, str) and src == md.get("src"):
+        ours = md.get("session") == self.fed.session_id and md.get("dst") == party_key(self.local)
+        if self.announce and ours and isinstance(name, str) and isinstance(tag, str) and src == md.get("src"):
             self._store.put(("obj", self.fed.session_id, name, tag, src), err)
 
     def _announced_key(self, md: Dict[str, Any], peer: str) -> Tuple[Optional[tuple], str]:
