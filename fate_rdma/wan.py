@@ -253,8 +253,11 @@ def _set_tcp_cc(ns: str, cc: Optional[str]) -> None:
     cc = cc or Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
     if cc not in allowed:
+        available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+        how = (f"allow it on the host: sysctl -w net.ipv4.tcp_allowed_congestion_control=\"{' '.join(allowed + [cc])}\""
+               if cc in available else f"load its module (modprobe tcp_{cc}) and add it there")
         raise WanError(f"TCP congestion control {cc!r} is not allowed here (net.ipv4.tcp_allowed_congestion_control: "
-                       f"{' '.join(allowed)}; load its module and add it there)")
+                       f"{' '.join(allowed)}; {how})")
     sh(in_ns(ns, ["sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"]))
 
 
