@@ -332,3 +332,53 @@ def test_held_slot_is_not_writable_by_the_sender(secret, provider):
         # a fresh connection (the old one died with its QP) gets fresh grants and works
         client.send(victim_addr, b"after").result(20)
         assert bytes(victim.recv(timeout=20).detach()) == b"after"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_peer_cannot_read_back_receive_memory(secret, provider, mode):
+    """Receive memory is the peer's to write, never to read: after a transfer was delivered, changed in
+    place by the application (a sum into the received array, say) and released, an RDMA READ of the
+    re-granted FedRDMA-E slot or of the FedRDMA staging buffers fails with a remote access error and
+    brings back nothing of the receiver's bytes (the MRs are registered without REMOTE_READ)."""
+    from .verbs_pair import require
+
+    require(provider)
+    c = cfg(mode, secret, pool_slots=2, provider=provider)
+    with Endpoint(c, name="victim") as victim, Endpoint(c, name="client-a") as client:
+        victim_addr = victim.address
+        victim.name = victim_addr  # dialers check that the endpoint proves the address they dialed
+        conn = client.connect(victim_addr)
+        data = os.urandom(3 * CHUNK)
+        client.send(victim_addr, data).result(20)
+        msg = victim.recv(timeout=20)
+        assert bytes(msg.view) == data
+        if mode == "fedrdma-e":
+            slot = next(i for i, mr in enumerate(conn.slot_sender.slot_mrs) if mr.length > 3 * CHUNK)  # the grown one
+            old_rkey = conn.slot_sender.slot_mrs[slot].rkey
+        secret_bytes = b"\x5a" * 4096
+        if mode == "fedrdma-e":
+            msg.view[:4096] = secret_bytes  # the application works in place on what it received
+        msg.release()
+        if mode == "fedrdma-e":  # wait for the CREDIT that grants the slot again, under a new rkey
+            deadline = time.monotonic() + 10
+            while conn.slot_sender.slot_mrs[slot].rkey == old_rkey and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert conn.slot_sender.slot_mrs[slot].rkey != old_rkey, "the slot was not granted again"
+            target = conn.slot_sender.slot_mrs[slot]
+        else:
+            target = conn.remote["staging"]
+        sink = client.pd.reg_mr(bytearray(4096), ev.Access.LOCAL_WRITE)
+        try:
+            conn.rcs[0].qp.post_read(sink.sge(0, 4096), target, remote_offset=0, wr_id=998)
+            deadline = time.monotonic() + 10
+            while conn.dead is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert conn.dead is not None and "REM_ACCESS_ERR" in str(conn.dead), conn.dead
+            got = bytes(sink.view())
+            assert secret_bytes[:64] not in got and data[:64] not in got
+        finally:
+            sink.close()
+        # a fresh connection (the old one died with its QP) works
+        client.send(victim_addr, b"after").result(20)
+        assert bytes(victim.recv(timeout=20).detach()) == b"after"

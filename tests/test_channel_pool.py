@@ -165,3 +165,26 @@ def test_pool_report_says_what_the_pools_hold():
         lines = describe(pool_policy(cfg), rep)
         assert "up to 64.1 MiB under load" in lines[0] and "registered" in lines[1] and "3.0 MiB held" in lines[2]
         msg.release()
+
+
+def test_without_a_checksum_a_released_slot_is_cleared_before_it_is_granted_again():
+    """checksum: none proves nothing about which bytes a transfer wrote, so a released slot is cleared
+    over what its transfer announced before its CREDIT: bytes a later transfer does not write read as
+    zeros, never as the earlier payload (buffers.clear; in-process, soft provider)."""
+    cfg = grow_cfg("soft", checksum="none")
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        conn = tx.connect(rx.address)
+        data = np.full((3 << 20) + 7, 0xA5, dtype=np.uint8)
+        tx.send(rx.address, data).result(30)
+        msg = rx.recv(timeout=30)
+        assert bytes(msg.view) == data.tobytes()
+        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        slot = next(i for i, n in enumerate(rconn.mem.slots.capacity) if n >= data.nbytes)
+        old_rkey = conn.slot_sender.slot_mrs[slot].rkey
+        msg.release()
+        wait_for(lambda: conn.slot_sender.slot_mrs[slot].rkey != old_rkey, 10, "the slot's CREDIT")
+        view = np.frombuffer(rconn.mem.slots.view(slot), dtype=np.uint8)
+        assert view.nbytes >= data.nbytes and not view.any(), "the released slot still holds the payload"
+        tx.send(rx.address, b"next").result(30)  # and the slot takes the next transfer
+        assert bytes(rx.recv(timeout=30).detach()) == b"next"

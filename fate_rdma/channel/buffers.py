@@ -48,6 +48,16 @@ def zero_fill(buf: Any, piece_bytes: int = 64 << 20) -> None:
         view[:] = bytes(view.nbytes)
 
 
+def clear(buf: Any) -> None:
+    """Zero `buf`, whose pages are already in memory (a released receive slot), without holding the GIL:
+    numpy's fill releases it for the whole call and stores in user space. On a warm 1 GiB slot (4 KiB
+    pages) it took 0.023 s where zero_fill's reads of /dev/zero took 0.13 s beside a busy thread (each
+    64 MiB read takes the GIL back; a thread that holds it costs the switch interval each time) and
+    0.04 s alone; on fresh pages /dev/zero faults them in faster (0.44 s against 0.54 s per GiB),
+    so zero_fill stays for those."""
+    np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8).fill(0)
+
+
 def copy_into(dest: np.ndarray, offset: int, src: memoryview) -> None:
     """dest[offset:offset+len(src)] = src, without holding the GIL (numpy releases it for the copy,
     and for the page faults the copy takes on fresh memory)."""

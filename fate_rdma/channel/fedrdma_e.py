@@ -27,7 +27,7 @@ from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import slot_chunk_bytes
-from .buffers import zero_fill
+from .buffers import clear
 from .checksum import payload_checksum, payload_checksum_async, payload_leaves
 from .handshake import PoolOffer
 
@@ -222,7 +222,7 @@ class SlotReceiver:
         if not self.machine.verify_crc:
             # without a checksum nothing proves the next transfer writes every byte it announces: clear what this
             # one announced, so that such bytes read as zeros (the rest is zeros still: fresh pages, or cleared)
-            zero_fill(self.conn.mem.slot_view(slot)[:self._written.pop(slot, 0)])
+            clear(self.conn.mem.slot_view(slot)[:self._written.pop(slot, 0)])
         self._credit(slot)
 
     def _credit(self, slot: int) -> None:

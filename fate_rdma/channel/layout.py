@@ -21,7 +21,7 @@ import easypyverbs as ev
 
 from ..protocol.frames import CTRL, HEADER, MAX_META
 from .handshake import PoolOffer, StagingOffer
-from .slots import SlotMemory
+from .slots import WRITE_ONLY, SlotMemory
 
 #: a control frame (CTRL + reason) fits with room to spare
 CTRL_BUF = CTRL.size + 1024 + 64
@@ -44,7 +44,7 @@ class LocalMemory:
         self.remote_mrs: Dict[str, ev.MR] = {}
         self.pool, self.staging = pool, staging
         self.slots: Optional[SlotMemory] = None
-        rw = ev.Access.all_rdma()
+        rw = WRITE_ONLY  # the peer writes the staging buffers, never reads them
         try:
             if pool is not None:  # one MR per slot: a grant the peer loses while the slot is held
                 initial = pool.slot_payload_bytes if slot_initial_bytes is None else slot_initial_bytes

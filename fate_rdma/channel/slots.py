@@ -26,6 +26,9 @@ from .buffers import zero_fill
 from .handshake import PoolOffer
 
 PAGE = mmap.PAGESIZE
+#: what a peer may do to receive memory: write it, never read it (a released slot holds what the
+#: application last made of its payload, in place: the peer must not read that back)
+WRITE_ONLY = ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE
 #: Linux's value: Python's mmap module does not name it
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
@@ -107,7 +110,7 @@ class SlotMemory:
         n = self.slot_bytes(slot)
         if self.pin and n > faulted_bytes:
             zero_fill(self._arrs[slot][faulted_bytes:n])  # fresh pages are zeros already: this only faults them in
-        return self._pd.reg_mr(self._arrs[slot][:n], ev.Access.all_rdma())
+        return self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY)
 
     def revoke(self, slot: int) -> None:
         """Deregister the slot: from now on the peer's WRITEs to it fail (remote access error)."""
