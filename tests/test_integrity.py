@@ -19,11 +19,11 @@ from fate_rdma import errors as E
 from fate_rdma import protocol as P
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel.auth import Identity, authenticate, mac_keys, session_key, write_secret
-from fate_rdma.channel.checksum import integrities, payload_checksum, payload_leaves
+from fate_rdma.channel.checksum import integrities, payload_checksum, payload_digest, payload_leaves
 from fate_rdma.channel.handshake import Hello, agree_checksum
 from fate_rdma.config import ChannelConfig
 from fate_rdma.protocol import integrity as I
-from fate_rdma.protocol.frames import FLAG_CRC, FLAG_MAC, HEADER_FIELDS_BYTES
+from fate_rdma.protocol.frames import FLAG_CRC, FLAG_MAC, FLAG_XXH, HEADER_FIELDS_BYTES
 
 KEY = bytes(range(32))
 CHUNK = 64 * 1024
@@ -52,7 +52,7 @@ def test_tag_sits_in_the_last_16_bytes_under_flag_mac():
 
 
 @pytest.mark.parametrize("offset,value,match", [
-    (4, (FLAG_CRC | FLAG_MAC).to_bytes(2, "big"), "flags"), (4, (4).to_bytes(2, "big"), "flags"),
+    (4, (FLAG_CRC | FLAG_MAC).to_bytes(2, "big"), "flags"), (4, (8).to_bytes(2, "big"), "flags"), (4, (FLAG_XXH | FLAG_MAC).to_bytes(2, "big"), "flags"),
     (6, b"\x00\x01", "reserved"), (60, b"\x00\x00\x00\x01", "reserved"),
 ])
 def test_non_canonical_headers_are_refused(offset, value, match):
@@ -75,7 +75,8 @@ def headers(draw):
     return P.Header(draw(st.sampled_from(list(P.HeaderKind))), draw(st.integers(0, 2**64 - 1)), seq, n, offset, length,
                     draw(st.integers(0, P.frames.MAX_META)) if seq == 0 else 0, total,
                     crc if which == "crc32c" else 0, meta_crc if which == "crc32c" else 0, which == "crc32c",
-                    which == "blake2b", draw(st.binary(min_size=16, max_size=16)) if which == "blake2b" else b"")
+                    which == "blake2b", draw(st.binary(min_size=16, max_size=16)) if which in ("blake2b", "xxh3") else b"",
+                    has_xxh=which == "xxh3")
 
 
 @settings(max_examples=300, deadline=None)
@@ -85,16 +86,13 @@ def test_header_encoding_is_canonical(h):
     assert P.decode_header(raw) == h and P.encode_header(P.decode_header(raw)) == raw
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=200), st.binary(max_size=40), st.data())
-def test_tag_covers_every_header_field_metadata_and_payload_bit(payload, meta, data):
-    """Flip any one bit of header bytes 0..47 (where the result still decodes), of the metadata or of the
-    payload: the tag no longer verifies. Nor does it under the other direction's key."""
-    b2 = I.Integrity("blake2b", KEY)
-    h = b2.seal(mac_header(length=len(payload), total=len(payload), meta_len=len(meta)), meta,
-                b2.chunk_digest([memoryview(payload)]))
+def _one_bit_flipped_fails(integ: I.Integrity, payload: bytes, meta: bytes, data) -> None:
+    """Seal a header with `integ`, flip one bit of header bytes 0..47 (where the result still decodes),
+    of the metadata or of the payload: the tag no longer verifies."""
+    h = integ.seal(mac_header(length=len(payload), total=len(payload), meta_len=len(meta)), meta,
+                   integ.chunk_digest([memoryview(payload)]))
     raw = P.decode_header(P.encode_header(h))
-    assert b2.verify(raw, meta, b2.chunk_digest([memoryview(payload)]))
+    assert raw.checksum == integ.kind and integ.verify(raw, meta, integ.chunk_digest([memoryview(payload)]))
     where = data.draw(st.sampled_from(["header", "meta", "payload"] if meta else ["header", "payload"]))
     if where == "header" or not payload and where == "payload":
         buf = bytearray(P.encode_header(h))
@@ -103,18 +101,57 @@ def test_tag_covers_every_header_field_metadata_and_payload_bit(payload, meta, d
         try:
             forged = P.decode_header(bytes(buf))
         except E.RemoteProtocolError:
-            return  # refused before any MAC is computed
-        assert not b2.verify(forged, meta[:forged.meta_len].ljust(forged.meta_len, b"\0"),
-                             b2.chunk_digest([memoryview(payload)]))
+            return  # refused before any tag is computed
+        assert not integ.verify(forged, meta[:forged.meta_len].ljust(forged.meta_len, b"\0"),
+                                integ.chunk_digest([memoryview(payload)]))
         return
     target = bytearray(meta if where == "meta" else payload)
     bit = data.draw(st.integers(0, len(target) * 8 - 1))
     target[bit // 8] ^= 1 << bit % 8
     m, p = (bytes(target), payload) if where == "meta" else (meta, bytes(target))
-    assert not b2.verify(raw, m, b2.chunk_digest([memoryview(p)]))
+    assert not integ.verify(raw, m, integ.chunk_digest([memoryview(p)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.binary(max_size=40), st.data())
+def test_tag_covers_every_header_field_metadata_and_payload_bit(payload, meta, data):
+    """blake2b: one flipped bit anywhere and the tag no longer verifies. Nor does it under the other
+    direction's key."""
+    _one_bit_flipped_fails(I.Integrity("blake2b", KEY), payload, meta, data)
+    h = mac_header(length=len(payload), total=len(payload), meta_len=len(meta))
     send, recv = mac_keys(KEY, dialer=True)
     assert not I.Integrity("blake2b", recv).verify(I.Integrity("blake2b", send).seal(h, meta, I.leaves(send, [memoryview(payload)])),
                                                    meta, I.leaves(recv, [memoryview(payload)]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.binary(max_size=40), st.data())
+def test_xxh3_tag_covers_every_header_field_metadata_and_payload_bit(payload, meta, data):
+    """xxh3 (against accidents, unkeyed): the same, with FLAG_XXH in the header."""
+    _one_bit_flipped_fails(I.Integrity("xxh3"), payload, meta, data)
+    h = I.Integrity("xxh3").seal(mac_header(), b"", I.xxh_leaves([memoryview(bytes(10))]))
+    assert int.from_bytes(P.encode_header(h)[4:6], "big") == FLAG_XXH
+
+
+def test_xxh3_leaves_are_positional_and_one_checksum_per_header():
+    """Two blocks swapped give other leaves (each is seeded with its index); a header with two checksum
+    flags is refused."""
+    a, b = b"a" * I.BLOCK_BYTES, b"b" * I.BLOCK_BYTES
+    assert I.xxh_leaves([memoryview(a + b)]) != I.xxh_leaves([memoryview(b + a)])
+    raw = bytearray(P.encode_header(I.Integrity("xxh3").seal(mac_header(), b"", I.xxh_leaves([memoryview(bytes(10))]))))
+    raw[4:6] = (FLAG_XXH | FLAG_CRC).to_bytes(2, "big")
+    with pytest.raises(E.RemoteProtocolError, match="more than one checksum"):
+        P.decode_header(bytes(raw))
+
+
+@pytest.mark.parametrize("size", [0, 1, I.BLOCK_BYTES - 1, I.BLOCK_BYTES, I.BLOCK_BYTES + 1, 2 * I.BLOCK_BYTES + 77])
+def test_parallel_xxh3_leaves_equal_the_sequential_definition(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    cuts = sorted(random.Random(size).sample(range(size + 1), min(3, size + 1)))
+    views = [memoryview(data)[a:b] for a, b in zip([0] + cuts, cuts + [size])]
+    want = b"".join(I.xxh_leaf(i, [memoryview(data)[o:o + I.BLOCK_BYTES]])
+                    for i, o in enumerate(range(0, size, I.BLOCK_BYTES)))
+    assert payload_digest(I.Integrity("xxh3"), views) == want and len(want) == 16 * -(-size // I.BLOCK_BYTES)
 
 
 @pytest.mark.parametrize("size", [0, 1, I.BLOCK_BYTES - 1, I.BLOCK_BYTES, I.BLOCK_BYTES + 1, 2 * I.BLOCK_BYTES + 77])
@@ -273,8 +310,9 @@ def endpoints(mode, secret, checksum="blake2b"):
     return rx, tx
 
 
-def test_blake2b_delivers_verified_payloads(mode, secret):
-    rx, tx = endpoints(mode, secret)
+@pytest.mark.parametrize("checksum", ["blake2b", "xxh3"])
+def test_tagged_checksums_deliver_verified_payloads(mode, secret, checksum):
+    rx, tx = endpoints(mode, secret, checksum)
     try:
         for size in (0, 1, 3 * CHUNK + 5, (5 << 20) + 3):  # the last spans two 4 MiB leaves
             data = os.urandom(size)
@@ -303,14 +341,18 @@ def _tamper(view: memoryview, meta_cap: int, how: str, mode: str) -> None:
     view[:64] = P.encode_header(h)
 
 
+@pytest.mark.parametrize("checksum", ["blake2b", "xxh3"])
 @pytest.mark.parametrize("how,error,match", [
-    ("payload", E.IntegrityError, "blake2b mismatch"), ("metadata", E.IntegrityError, "blake2b mismatch"),
-    ("nchunks", E.IntegrityError, "blake2b mismatch"), ("crc32c", E.RemoteProtocolError, "'flags' says crc32c"),
+    ("payload", E.IntegrityError, "{} mismatch"), ("metadata", E.IntegrityError, "{} mismatch"),
+    ("nchunks", E.IntegrityError, "{} mismatch"), ("crc32c", E.RemoteProtocolError, "'flags' says crc32c"),
 ])
-def test_altered_on_the_wire_is_refused(mode, secret, monkeypatch, how, error, match):
+def test_altered_on_the_wire_is_refused(mode, secret, monkeypatch, how, error, match, checksum):
+    """blake2b: what a man in the middle changes; xxh3: what an accident changes (the crc32c case: a
+    header that carries a checksum other than the receiver's)."""
     from fate_rdma.channel import fedrdma, fedrdma_e
 
-    rx, tx = endpoints(mode, secret)
+    match = match.format(checksum)
+    rx, tx = endpoints(mode, secret, checksum)
     armed = [True]
     if mode == "fedrdma-e":
         orig = fedrdma_e.SlotReceiver.on_write_imm

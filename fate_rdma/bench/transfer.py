@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of methods (default all; mooncake and mooncake_batch need the mooncake extra: "
                         "pip install 'fate-rdma[mooncake]', and say so where it is missing)")
     p.add_argument("--windows", default="1,auto", help="windows to measure for fedrdma/fedrdma-e (default 1,auto)")
-    p.add_argument("--checksum", default="crc32c", choices=["crc32c", "blake2b", "none"],
-                   help="end-to-end checksum (default crc32c; blake2b: the keyed MAC, with a fresh secret for the two endpoints)")
+    p.add_argument("--checksum", default="crc32c", choices=["crc32c", "xxh3", "blake2b", "none"],
+                   help="end-to-end checksum (default crc32c; xxh3: an XXH3-128 tag, against accidents as crc32c at half "
+                        "its CPU; blake2b: the keyed MAC, with a fresh secret for the two endpoints)")
     p.add_argument("--provider", default="soft", help="verbs provider on loopback (default soft; link scenarios are soft)")
     p.add_argument("--tls", action="store_true",
                    help="each fedrdma/fedrdma-e row once more with tls: true (mutual TLS on the bootstrap and the soft "

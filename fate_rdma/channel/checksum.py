@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves
+from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -65,6 +65,8 @@ def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
     """The payload's part of a FedRDMA-E header's checksum: payload_checksum, leaves, or None."""
     if integrity.kind == "crc32c":
         return payload_checksum(views)
+    if integrity.kind == "xxh3":
+        return xxh_leaves(views, _pool("block").map)
     return payload_leaves(views, integrity.key) if integrity.kind == "blake2b" else None
 
 

@@ -18,7 +18,7 @@ from ..errors import IntegrityError, PayloadTooLarge, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import StagingCredits
 from .buffers import RecvBuffers, copy_into
-from .checksum import payload_leaves
+from .checksum import payload_digest
 from .handshake import StagingOffer
 
 if TYPE_CHECKING:
@@ -58,8 +58,8 @@ class StagedSender:
             digest = 0
             for s in o.payload.sges(c.offset, c.length):
                 digest = crc32c.crc32c(s.view(), digest)
-        elif o.integrity.kind == "blake2b":
-            digest = payload_leaves([s.view() for s in o.payload.sges(c.offset, c.length)], o.integrity.key)
+        elif o.integrity.kind in ("blake2b", "xxh3"):
+            digest = payload_digest(o.integrity, [s.view() for s in o.payload.sges(c.offset, c.length)])
         hdr = o.integrity.seal(o.machine.header(c, len(meta), None), meta, digest)
         conn.post_header(qp, o, hdr, c.seq, staging, base, STAGING_BIT | st)
 

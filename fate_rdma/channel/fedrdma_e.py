@@ -28,7 +28,7 @@ from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
-from .checksum import payload_checksum, payload_checksum_async, payload_leaves
+from .checksum import payload_checksum, payload_checksum_async, payload_digest
 from .handshake import PoolOffer
 
 if TYPE_CHECKING:
@@ -208,8 +208,8 @@ class SlotReceiver:
         try:
             if integrity.kind == "crc32c":
                 self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum([payload]))
-            elif integrity.kind == "blake2b":
-                self.machine.verify_tag(msg, bytes(meta), payload_leaves([payload], integrity.key))
+            elif integrity.kind in ("blake2b", "xxh3"):
+                self.machine.verify_tag(msg, bytes(meta), payload_digest(integrity, [payload]))
         except IntegrityError as exc:
             conn.refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
             self._credit(slot)

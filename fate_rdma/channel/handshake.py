@@ -14,7 +14,7 @@ Hello (version 1):
                largest; each slot's MR (sent with the QPs) is as large as its grant now, and it grows
                on the sender's GROW (protocol/pool.py)
     staging    null or {"count", "buf_bytes", "meta_cap"}: its FedRDMA staging buffers
-    checksum   "crc32c", "blake2b" or "none": what it requires of every transfer it receives, which is
+    checksum   "crc32c", "xxh3", "blake2b" or "none": what it requires of every transfer it receives, which is
                also what it sends with (one setting per endpoint). Absent (an endpoint that predates
                it): not checked here; its frames still meet the receiver's rule one by one.
     terms      null or {str: str} (at most MAX_TERMS, short): settings of the layer above the channel that

@@ -8,7 +8,8 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
     kind         u8   HeaderKind: CHUNK (FedRDMA) or SLOT (FedRDMA-E)
     flags        u16  bit 0 FLAG_CRC: crc and meta_crc are set (checksum crc32c);
                       bit 1 FLAG_MAC: the last 16 bytes are a BLAKE2b tag (checksum blake2b);
-                      neither: no checksum. Both, or any other bit: a protocol error
+                      bit 2 FLAG_XXH: the last 16 bytes are an XXH3-128 tag (checksum xxh3);
+                      none: no checksum. More than one, or any other bit: a protocol error
     reserved     u16  0 (anything else is a protocol error)
     transfer_id  u64  unique per sender and connection
     seq          u32  chunk number (0-based); FedRDMA-E: always 0
@@ -27,6 +28,9 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
                       included), the metadata and the payload bytes (FedRDMA: this chunk's; FedRDMA-E:
                       the whole payload's), keyed per direction by the connection's session key. The
                       construction is in integrity.py.
+    -- bytes 48..63: FLAG_XXH --
+    tag          16 B XXH3-128 over the same bytes as the MAC (unkeyed: against accidents, as crc32c,
+                      at half its CPU cost and with a 128-bit tag; integrity.py)
 
 The MAC takes the four u32 that crc32c leaves to two checksums and two reserved fields: the header
 keeps its size and version, and one flag bit says which reading applies. Decoding is canonical
@@ -65,6 +69,7 @@ HEADER = struct.Struct("!HBBHHQIIQIIQIIII")
 CTRL = struct.Struct("!HBBHHQQQ")
 FLAG_CRC = 1
 FLAG_MAC = 2
+FLAG_XXH = 4
 #: bytes of a BLAKE2b tag: the header's last four u32
 TAG_BYTES = 16
 #: the header's bytes that every checksum's MAC covers: all but the crc / tag area
@@ -119,11 +124,13 @@ class Header:
     #: FLAG_MAC: `tag` (TAG_BYTES) replaces crc and meta_crc; zeros until the sender seals the header
     has_mac: bool = False
     tag: bytes = b""
+    #: FLAG_XXH: `tag` is an XXH3-128 tag (as has_mac's, unkeyed)
+    has_xxh: bool = False
 
     @property
     def checksum(self) -> str:
         """The checksum this header carries, named as ChannelConfig.checksum names it."""
-        return "blake2b" if self.has_mac else "crc32c" if self.has_crc else "none"
+        return "blake2b" if self.has_mac else "xxh3" if self.has_xxh else "crc32c" if self.has_crc else "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,16 +143,16 @@ class Ctrl:
 
 
 def encode_header(h: Header) -> bytes:
-    if h.has_crc and h.has_mac:
-        raise LocalProtocolError("a header carries crc32c or a MAC tag, not both")
-    if h.has_mac:
+    if h.has_crc + h.has_mac + h.has_xxh > 1:
+        raise LocalProtocolError("a header carries one checksum: crc32c, a MAC tag or an XXH3 tag")
+    if h.has_mac or h.has_xxh:
         tag = h.tag or bytes(TAG_BYTES)
         if len(tag) != TAG_BYTES:
-            raise LocalProtocolError(f"MAC tag of {len(tag)} bytes, the header holds {TAG_BYTES}")
+            raise LocalProtocolError(f"tag of {len(tag)} bytes, the header holds {TAG_BYTES}")
         tail = _TAIL.unpack(tag)
     else:
         tail = (h.crc, h.meta_crc, 0, 0)
-    flags = (FLAG_CRC if h.has_crc else 0) | (FLAG_MAC if h.has_mac else 0)
+    flags = (FLAG_CRC if h.has_crc else 0) | (FLAG_MAC if h.has_mac else 0) | (FLAG_XXH if h.has_xxh else 0)
     return HEADER.pack(MAGIC, VERSION, int(h.kind), flags, 0, h.transfer_id, h.seq, h.nchunks, h.offset, h.length,
                        h.meta_len, h.total, *tail)
 
@@ -162,10 +169,10 @@ def decode_header(buf: bytes) -> Header:
         raise RemoteProtocolError(f"header version {version}, this side speaks {VERSION}")
     if kind not in HeaderKind.__members__.values():
         raise RemoteProtocolError(f"unknown header kind {kind}")
-    if flags & ~(FLAG_CRC | FLAG_MAC) or flags == FLAG_CRC | FLAG_MAC:
-        raise RemoteProtocolError(f"header field 'flags' = {flags:#x}: unknown bits, or crc32c and MAC at once")
-    has_mac = bool(flags & FLAG_MAC)
-    if reserved or (not has_mac and (r2 or r3)):
+    if flags & ~(FLAG_CRC | FLAG_MAC | FLAG_XXH) or flags not in (0, FLAG_CRC, FLAG_MAC, FLAG_XXH):
+        raise RemoteProtocolError(f"header field 'flags' = {flags:#x}: unknown bits, or more than one checksum at once")
+    has_mac, has_xxh = bool(flags & FLAG_MAC), bool(flags & FLAG_XXH)
+    if reserved or (not (has_mac or has_xxh) and (r2 or r3)):
         raise RemoteProtocolError("header reserved fields are not zero")
     if nchunks < 1 or seq >= nchunks:
         raise RemoteProtocolError(f"chunk {seq} of {nchunks}: out of range")
@@ -175,9 +182,9 @@ def decode_header(buf: bytes) -> Header:
         raise RemoteProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META}")
     if meta_len and seq != 0:
         raise RemoteProtocolError("metadata on a chunk other than chunk 0")
-    if has_mac:
-        return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, 0, 0, False, True,
-                      bytes(buf[HEADER_FIELDS_BYTES:HEADER.size]))
+    if has_mac or has_xxh:
+        return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, 0, 0, False, has_mac,
+                      bytes(buf[HEADER_FIELDS_BYTES:HEADER.size]), has_xxh)
     return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc, bool(flags & FLAG_CRC))
 
 
