@@ -51,8 +51,10 @@ class ChannelConfig:
     #: queue pairs per peer, chunks striped across them (several NIC ports or paths where present; the
     #: soft provider opens one TCP stream per QP). "auto": up to AUTO_QPS_MAX are set up, and once the
     #: RTT probe has measured the path, 1 is used below LONG_PATH_RTT_S and all of them above it: on a
-    #: long lossy path several streams beat one congested stream (`fate-rdma eval link --study qps`)
-    qps_per_peer: Union[int, str] = 1
+    #: long lossy path several streams beat one congested stream (`fate-rdma eval link --study qps`),
+    #: and three clients sending to one arbiter at once finish within 10 % of each other where one
+    #: stream each did not (`fate-rdma eval fairness`). The default since 2026-11-25 (was 1)
+    qps_per_peer: Union[int, str] = "auto"
     #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate
     link_enable: Union[bool, str] = "auto"
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s

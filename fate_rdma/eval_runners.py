@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from . import wan
 from .bench import mooncake
@@ -23,7 +23,7 @@ class Transport:
     kind: str                      # "tcp", "grpc", "channel" or "mooncake"
     mode: str = ""                 # channel: fedrdma | fedrdma-e; mooncake: sync | batch
     window: str = ""               # channel: a number or "auto"
-    qps: int = 1                   # channel: qps_per_peer (soft provider: one TCP stream per QP)
+    qps: Union[int, str] = 1       # channel: qps_per_peer (soft provider: one TCP stream per QP), or "auto"
     link_enable: str = "auto"      # channel: true | false | auto
 
     @property

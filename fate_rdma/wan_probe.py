@@ -34,7 +34,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import crc32c
 
@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--window", default="auto", help="chunks in flight: a number (1 = the paper) or auto")
         c.add_argument("--link-rate-mbit", type=float, default=0.0,
                        help="nominal link rate for the automatic window (0: the channel's default)")
-        c.add_argument("--qps", type=int, default=1, help="qps_per_peer: QPs (soft provider: TCP streams) per peer")
+        c.add_argument("--qps", type=_qps, default=1, help="qps_per_peer: QPs (soft provider: TCP streams) per peer, or "
+                                                            "auto (4 where the RTT is >= 10 ms, else 1)")
         c.add_argument("--link-enable", default="auto", choices=["true", "false", "auto"],
                        help="Link-Enable: a 4 KiB first chunk (auto: on from 4 Gbit/s nominal rate)")
         if name == "channel-recv":
@@ -296,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--warmup", action="store_true", help="one untimed chunk first (connect, RTT probe)")
             c.add_argument("--wait-go", action="store_true", help="print ready, then wait for 'go T' before each transfer")
     return p
+
+
+def _qps(text: str) -> Union[int, str]:
+    return text if text == "auto" else int(text)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

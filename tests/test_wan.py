@@ -271,10 +271,13 @@ def test_eval_stress_fairness_quick(can_build: None, prefix: str, tmp_path: Path
     rows = _rows(tmp_path / "fair")
     clients = [r for r in rows if r["row"] == "client"]
     assert [(r["transport"], r["client"], r["site"]) for r in clients] == [
-        (t, i, s) for t in ("tcp stream", "tcp kept", "fedrdma-e auto") for i, s in ((1, "b"), (2, "c"), (3, "c"))]
+        (t, i, s) for t in ("tcp stream", "tcp kept", "fedrdma-e auto, 1 QP", "fedrdma-e auto, qps auto")
+        for i, s in ((1, "b"), (2, "c"), (3, "c"))]
     assert all(r["verified"] and r["received_bytes"] == 1 << 20 and r["median_s"] > 0 for r in clients), clients
+    # qps_per_peer auto stripes over its four QPs on this 10 ms path; the other row keeps one
+    assert [r["qps_used"] for r in clients if r["transport"].startswith("fedrdma")] == [[1]] * 3 + [[4]] * 3, clients
     summary = [r for r in rows if r["row"] == "summary"]
-    assert len(summary) == 3 and all(r["median_gap"] >= 0 and 0 < r["median_jain"] <= 1.0001 for r in summary)
+    assert len(summary) == 4 and all(r["median_gap"] >= 0 and 0 < r["median_jain"] <= 1.0001 for r in summary)
     assert "clients 2 and 3 share site c" in out.out
     assert all(r["measured"]["tcp_cc"] == cc for r in rows), rows  # the sites run the one asked for
     (run,) = list((tmp_path / "fair").iterdir())

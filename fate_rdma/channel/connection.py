@@ -324,7 +324,8 @@ class Connection:
         self.unset_active(o)
         secs = time.monotonic() - o.started
         o.fut.set_result({"transfer_id": o.fut.transfer_id, "bytes": o.payload.total, "seconds": secs,
-                          "mode": o.mode.value if o.mode else "", "window": o.fut.window, "chunks": o.fut.chunks})
+                          "mode": o.mode.value if o.mode else "", "window": o.fut.window, "chunks": o.fut.chunks,
+                          "qps": self.active_qps})
 
     def fail_out(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None:
         if o.error is not None:
