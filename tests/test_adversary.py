@@ -365,12 +365,12 @@ def test_peer_cannot_read_back_receive_memory(secret, provider, mode):
             while conn.slot_sender.slot_mrs[slot].rkey == old_rkey and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert conn.slot_sender.slot_mrs[slot].rkey != old_rkey, "the slot was not granted again"
-            target = conn.slot_sender.slot_mrs[slot]
+            target, at = conn.slot_sender.slot_mrs[slot], conn.slot_sender.offer.offset_in_slot(0)  # the payload
         else:
-            target = conn.remote["staging"]
+            target, at = conn.remote["staging"], conn.staged_sender.offer.data_offset(0)
         sink = client.pd.reg_mr(bytearray(4096), ev.Access.LOCAL_WRITE)
         try:
-            conn.rcs[0].qp.post_read(sink.sge(0, 4096), target, remote_offset=0, wr_id=998)
+            conn.rcs[0].qp.post_read(sink.sge(0, 4096), target, remote_offset=at, wr_id=998)
             deadline = time.monotonic() + 10
             while conn.dead is None and time.monotonic() < deadline:
                 time.sleep(0.05)
