@@ -35,7 +35,7 @@ CLIENT_SITES = (1, 2, 2)          # b, c, c: two clients share site c (the testb
 #: "tcp stream" opens a connection per transfer (slow start each round); "tcp kept" keeps one per client
 #: for every round, as fate-rdma keeps its QPs: the baseline that carries the same TCP state across rounds
 #: fedrdma-e with the automatic window, on one QP per client (one TCP stream: as a kept TCP connection, it
-#: does not share the bottleneck within 10 %), and with qps_per_peer auto, the default (four QPs striped on
+#: does not share the bottleneck within 10 %; the default), and with qps_per_peer auto (four QPs striped on
 #: this 20 ms path: the clients' shares average over four streams each)
 TRANSPORTS = (Transport("tcp stream", "tcp"), Transport("tcp kept", "tcp-kept"),
               Transport("fedrdma-e auto, 1 QP", "channel", "fedrdma-e", "auto", qps=1),
