@@ -8,7 +8,8 @@ import time
 import pytest
 
 from fate_rdma import errors as E
-from fate_rdma.federation.wrapper import RdmaFederation, _Store
+from fate_rdma.federation.store import Store
+from fate_rdma.federation.wrapper import RdmaFederation
 
 
 class BrokenEndpoint:
@@ -27,7 +28,7 @@ class BrokenEndpoint:
 def loop_over(endpoint) -> RdmaFederation:
     """Only what the receive loop uses; the rest of the wrapper needs FATE (test_federation.py)."""
     fed = object.__new__(RdmaFederation)
-    fed.endpoint, fed._store, fed._stop, fed.local = endpoint, _Store(), False, ("arbiter", "10000")
+    fed.endpoint, fed._store, fed._stop, fed.local = endpoint, Store(), False, ("arbiter", "10000")
     fed.announce = False  # descriptors: fate (the announced path: test_federation.py)
     return fed
 
@@ -48,7 +49,7 @@ def test_failed_receive_loop_fails_waiting_gets_with_the_cause(caplog):
 
 
 def test_payloads_that_arrived_before_the_failure_are_still_delivered():
-    store = _Store()
+    store = Store()
     store.put("early", b"x")
     store.fail(RuntimeError("boom"))
     assert store.take("early", 1) == b"x"
@@ -58,7 +59,7 @@ def test_payloads_that_arrived_before_the_failure_are_still_delivered():
 def test_the_store_drops_what_nobody_asks_for_and_what_comes_after_its_get_gave_up(caplog):
     """A peer cannot make a party hold memory without end: an object unclaimed for keep_s after its
     arrival is dropped, and one that arrives after its get timed out is not kept at all; each is logged."""
-    store = _Store(keep_s=0.3)
+    store = Store(keep_s=0.3)
     key = ("obj", "s", "w", "t", "host:1")
     with pytest.raises(E.TransferTimeout, match="did not arrive within 0.05 s"):
         store.take(key, 0.05)
