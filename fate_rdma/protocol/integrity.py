@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-from typing import Callable, List, Sequence, Union
+from typing import Any, Callable, List, Sequence, Union
 
 import crc32c
 import xxhash
@@ -106,28 +106,27 @@ def xxh_leaves(views: Sequence[memoryview], map_: Callable = map) -> bytes:
     return b"".join(map_(lambda ib: xxh_leaf(ib[0], ib[1]), enumerate(blocks(views))))
 
 
-def xxh_tag(header: Header, meta: bytes, leaf_digests: bytes) -> bytes:
-    """The XXH3-128 tag of a header (its first 48 bytes), its metadata and its payload's leaves."""
+def _tagged(h: Any, header: Header, meta: bytes, leaf_digests: bytes, mac: bool) -> bytes:
+    """Feed hash `h` header bytes 0..47 (with the tag's flag: FLAG_MAC if `mac`, else FLAG_XXH), the
+    metadata and the leaves; its digest is the tag."""
     if len(meta) != header.meta_len:
         raise LocalProtocolError(f"metadata of {len(meta)} bytes, the header says {header.meta_len}")
-    h = xxhash.xxh3_128(seed=0)
-    h.update(encode_header(dataclasses.replace(header, has_crc=False, has_mac=False, has_xxh=True,
+    h.update(encode_header(dataclasses.replace(header, has_crc=False, has_mac=mac, has_xxh=not mac,
                                                tag=b""))[:HEADER_FIELDS_BYTES])
     h.update(meta)
     h.update(leaf_digests)
     return h.digest()
+
+
+def xxh_tag(header: Header, meta: bytes, leaf_digests: bytes) -> bytes:
+    """The XXH3-128 tag of a header (its first 48 bytes), its metadata and its payload's leaves."""
+    return _tagged(xxhash.xxh3_128(seed=0), header, meta, leaf_digests, mac=False)
 
 
 def tag(key: bytes, header: Header, meta: bytes, leaf_digests: bytes) -> bytes:
     """The BLAKE2b tag of a header (its first 48 bytes), its metadata and its payload's leaves."""
-    if len(meta) != header.meta_len:
-        raise LocalProtocolError(f"metadata of {len(meta)} bytes, the header says {header.meta_len}")
     h = hashlib.blake2b(digest_size=TAG_BYTES, key=key, node_offset=0, node_depth=1, last_node=True, **_TREE)
-    h.update(encode_header(dataclasses.replace(header, has_crc=False, has_mac=True, has_xxh=False,
-                                               tag=b""))[:HEADER_FIELDS_BYTES])
-    h.update(meta)
-    h.update(leaf_digests)
-    return h.digest()
+    return _tagged(h, header, meta, leaf_digests, mac=True)
 
 
 @dataclasses.dataclass(frozen=True)
