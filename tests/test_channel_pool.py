@@ -188,3 +188,46 @@ def test_without_a_checksum_a_released_slot_is_cleared_before_it_is_granted_agai
         assert view.nbytes >= data.nbytes and not view.any(), "the released slot still holds the payload"
         tx.send(rx.address, b"next").result(30)  # and the slot takes the next transfer
         assert bytes(rx.recv(timeout=30).detach()) == b"next"
+
+
+def test_a_detached_payload_is_lent_in_place_and_its_slot_returns_when_the_last_view_goes():
+    """Message.detach lends a FedRDMA-E slot to the application without a copy while the peer's pool
+    keeps another slot circulating: the slot is granted again (new rkey) only once the last object made
+    from the view is gone, a payload arriving meanwhile is copied (the last slot keeps circulating),
+    and the lent bytes never change under later transfers (in-process, soft provider)."""
+    cfg = grow_cfg("soft")
+    rng = np.random.default_rng(11)
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        conn = tx.connect(rx.address)
+        first = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+        tx.send(rx.address, first).result(30)
+        view = rx.recv(timeout=30).detach()
+        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        slots = rconn.mem.slots
+
+        def slot_of(v):
+            addr = np.frombuffer(v, dtype=np.uint8).ctypes.data
+            for i in range(len(slots.capacity)):
+                base = np.frombuffer(slots.view(i), dtype=np.uint8).ctypes.data
+                if base <= addr < base + slots.slot_bytes(i):
+                    return i
+            return None
+
+        lent = slot_of(view)
+        assert lent is not None, "the payload was copied, not lent"
+        rkey = conn.slot_sender.slot_mrs[lent].rkey
+        arr = np.frombuffer(view, dtype=np.uint8)
+        arrays = [arr[:4096].reshape(64, 64), arr[4096:]]
+        del view, arr
+        for _ in range(3):  # the other slot carries these; each is copied out, the slot goes back at once
+            more = rng.integers(0, 256, (2 << 20) + 3, dtype=np.uint8)
+            tx.send(rx.address, more).result(30)
+            got = rx.recv(timeout=30).detach()
+            assert bytes(got) == more.tobytes() and slot_of(got) is None
+        assert np.array_equal(np.concatenate([a.reshape(-1) for a in arrays]), first)
+        assert conn.slot_sender.slot_mrs[lent].rkey == rkey, "a lent slot was granted to the sender again"
+        del arrays[0]
+        assert conn.slot_sender.slot_mrs[lent].rkey == rkey
+        arrays.clear()
+        wait_for(lambda: conn.slot_sender.slot_mrs[lent].rkey != rkey, 10, "the lent slot's CREDIT")

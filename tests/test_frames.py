@@ -136,6 +136,42 @@ def test_message_detach_copies_only_slots():
     assert bytes(view) == np.arange(64, dtype=np.uint8).tobytes()
 
 
+def test_message_detach_lends_a_large_slot_until_the_last_view_is_gone():
+    from fate_rdma.channel.buffers import RecvBuffers
+    from fate_rdma.channel.transfer import LEND_MIN_BYTES, Message
+
+    slot = np.random.default_rng(3).integers(0, 256, LEND_MIN_BYTES + 64, dtype=np.uint8)
+    released, asked = [], []
+
+    def lend(answer):
+        return lambda: asked.append(answer) or answer
+
+    msg = Message("p", 3, {}, memoryview(slot).cast("B"), "fedrdma-e", lambda: released.append(3),
+                  RecvBuffers(1 << 20).get, lend(True))
+    view = msg.detach()
+    arr = np.frombuffer(view, dtype=np.uint8)
+    assert arr.ctypes.data == slot.ctypes.data and asked == [True] and released == []  # in place, still held
+    parts = [arr[:10].reshape(2, 5), arr[10:].view(np.uint16)]  # what a frame's decode makes of it
+    del view, arr
+    assert released == [] and msg.view.nbytes == 0
+    del parts[0]
+    assert released == []
+    parts.clear()  # the last object made from the view: the slot goes back, once
+    assert released == [3]
+    msg.release()
+    assert released == [3]
+    # refused (the peer's last circulating slot): copied, and the slot goes back at once
+    msg = Message("p", 4, {}, memoryview(slot).cast("B"), "fedrdma-e", lambda: released.append(4),
+                  RecvBuffers(1 << 20).get, lend(False))
+    view = msg.detach()
+    assert released == [3, 4] and asked == [True, False]
+    assert np.frombuffer(view, dtype=np.uint8).ctypes.data != slot.ctypes.data and bytes(view) == slot.tobytes()
+    # below LEND_MIN_BYTES a copy costs little: not even asked
+    small = Message("p", 5, {}, memoryview(slot[:100]).cast("B"), "fedrdma-e", lambda: released.append(5),
+                    RecvBuffers(1 << 20).get, lend(True))
+    assert bytes(small.detach()) == slot[:100].tobytes() and released == [3, 4, 5] and asked == [True, False]
+
+
 def test_a_decoded_payload_dropped_frees_its_buffer_without_a_garbage_collection():
     """Round after round of FedAvg lands in recycled (faulted-in) buffers only if nothing but the
     application's objects holds a received buffer: decoding once made a class per call whose closure

@@ -122,7 +122,8 @@ def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Di
     fields: Dict[str, Any] = {"mode": args.mode, "provider": args.provider, "window": "auto",
                               "same_host": data_path == "same-host"}
     if args.mode == "fedrdma-e":
-        fields.update(pool_slots=1, slot_bytes=upload + (16 << 20))
+        # two slots (the default): the payload the application holds in place (lent) and one that circulates
+        fields.update(pool_slots=2, slot_bytes=upload + (16 << 20))
     return fields
 
 

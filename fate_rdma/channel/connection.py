@@ -383,12 +383,12 @@ class Connection:
         log.warning("transfer %d from %s refused: %s", tid, self.peer, reason)
         self.send_ctrl(P.Ctrl(CtrlKind.ERROR, tid, int(code), 0, reason[:500]))
 
-    def deliver(self, tid: int, meta: bytes, view: memoryview, mode: str, releaser: Any) -> None:
+    def deliver(self, tid: int, meta: bytes, view: memoryview, mode: str, releaser: Any, lend: Any = None) -> None:
         try:
             md = json.loads(meta or b"{}")
         except ValueError:
             md = {"_raw_metadata": meta.hex()}
-        self.endpoint._inbox_put(Message(self.peer, tid, md, view, mode, releaser, self.endpoint.recv_buffers.get))
+        self.endpoint._inbox_put(Message(self.peer, tid, md, view, mode, releaser, self.endpoint.recv_buffers.get, lend))
 
     # -- control sends --------------------------------------------------------------------------
     def send_ctrl(self, c: P.Ctrl) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 import crc32c
 
@@ -178,6 +179,8 @@ class SlotReceiver:
                                           rkeys=[mr.rkey for mr in slots.mrs])
         self.pool = self.machine.pool
         self._written: Dict[int, int] = {}  # slot -> bytes its last transfer announced (header to payload end)
+        self._lent: Set[int] = set()  # slots whose payload the application holds in place (Message.detach)
+        self._lent_lock = threading.Lock()
 
     def on_write_imm(self, imm: int) -> None:
         conn = self.conn
@@ -215,9 +218,25 @@ class SlotReceiver:
             self._credit(slot)
             return
         conn.send_ctrl(P.Ctrl(CtrlKind.DONE, h.transfer_id))
-        conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot))
+        conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot),
+                     lambda: self.lend(slot))
+
+    def lend(self, slot: int) -> bool:
+        """May the application keep `slot`'s payload in place (any thread)? Yes while another slot of
+        this peer's pool stays in circulation (all but one may be lent, so transfers always progress) and
+        the memory budget could grow that one as large (else a copy, and the slot goes back at once, as
+        without lending: the sender's next payload of this size is not refused for want of room)."""
+        budget = self.conn.endpoint.budget
+        with self._lent_lock:
+            if len(self._lent) + 1 >= self.machine.nslots \
+                    or budget.limit_bytes - budget.held_bytes < self.conn.mem.slots.slot_bytes(slot):
+                return False
+            self._lent.add(slot)
+            return True
 
     def release(self, slot: int) -> None:
+        with self._lent_lock:
+            self._lent.discard(slot)
         self.machine.release(slot, time.monotonic())
         if not self.machine.verify_crc:
             # without a checksum nothing proves the next transfer writes every byte it announces: clear what this

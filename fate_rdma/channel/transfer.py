@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
@@ -13,6 +14,9 @@ import easypyverbs as ev
 from .buffers import copy_into
 
 Buffers = Union[bytes, bytearray, memoryview, Any, Sequence[Any]]
+#: smallest FedRDMA-E payload that `Message.detach` lends in place; below it a copy costs little and the
+#: slot is better kept circulating for the next transfer
+LEND_MIN_BYTES = 1 << 20
 
 
 class Payload:
@@ -91,11 +95,13 @@ class Message:
     """An incoming transfer: metadata, a zero-copy view of the payload, and `release()`.
 
     FedRDMA-E: the view is the receive slot itself; release it promptly, the sender waits for free
-    slots. Copy (`bytes(msg.view)`) if the data must outlive the message.
+    slots. `detach()` if the data must outlive the message (in place where the peer's pool can spare
+    the slot, else copied).
     """
 
     def __init__(self, peer: str, transfer_id: int, metadata: Dict[str, Any], view: memoryview, mode: str,
-                 releaser: Optional[Callable[[], None]] = None, alloc: Optional[Callable[[int], Any]] = None) -> None:
+                 releaser: Optional[Callable[[], None]] = None, alloc: Optional[Callable[[int], Any]] = None,
+                 lend: Optional[Callable[[], bool]] = None) -> None:
         self.peer = peer
         self.transfer_id = transfer_id
         self.metadata = metadata
@@ -103,6 +109,7 @@ class Message:
         self.mode = mode
         self._releaser = releaser
         self._alloc = alloc
+        self._lend = lend
         self._lock = threading.Lock()
 
     @property
@@ -110,10 +117,22 @@ class Message:
         return self.view.nbytes
 
     def detach(self) -> memoryview:
-        """The payload as a byte view that outlives the message, which is released. Zero copy when the
-        payload has a buffer of its own (FedRDMA reassembly); one copy, into a recycled buffer of the
-        endpoint, when it is a FedRDMA-E receive slot that must go back to the sender."""
+        """The payload as a byte view that outlives the message. Zero copy when the payload has a buffer
+        of its own (FedRDMA reassembly). A FedRDMA-E receive slot of at least LEND_MIN_BYTES is lent in
+        place when its connection can spare it (`lend`: at most all but one of the peer's slots): the
+        slot goes back to the sender when the last object made from the view is gone (a weak reference
+        on the one array every such object holds). Otherwise one copy, into a recycled buffer of the
+        endpoint, and the slot goes back now."""
         view = self.view
+        if self._releaser is not None and self._lend is not None and view.nbytes >= LEND_MIN_BYTES and self._lend():
+            with self._lock:
+                fn, self._releaser = self._releaser, None
+            self.view = memoryview(b"")
+            anchor = np.frombuffer(view, dtype=np.uint8)  # its base is `view`: every derived object holds it
+            del view
+            if fn is not None:
+                weakref.finalize(anchor, fn).atexit = False  # (at exit the connection is gone with it)
+            return memoryview(anchor)
         if self._releaser is not None:
             buf = self._alloc(view.nbytes) if self._alloc is not None else np.empty(view.nbytes, dtype=np.uint8)
             copy_into(buf, 0, view)  # without the GIL: gigabytes into fresh memory take seconds
