@@ -53,9 +53,10 @@ class ChannelConfig:
     #: RTT probe has measured the path, 1 is used below LONG_PATH_RTT_S and all of them above it: on a
     #: long lossy path several streams beat one congested stream (`fate-rdma eval link --study qps`),
     #: and three clients sending to one arbiter at once finish within 10 % of each other where one
-    #: stream each did not (`fate-rdma eval fairness`): recommended between sites. The default stays 1:
-    #: with auto, a same-host FATE round (bench fate, LoRA r=256) took 0.41 s against 0.25-0.26 s
-    qps_per_peer: Union[int, str] = 1
+    #: stream each did not (`fate-rdma eval fairness`). To a peer on this host (policy.one_host) without
+    #: a link model, auto sets up one QP: a probe there measures the scheduler (a same-host FATE round
+    #: striped on a misread probe took 0.41 s against 0.25 s). The default; a number is taken as set
+    qps_per_peer: Union[int, str] = "auto"
     #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate
     link_enable: Union[bool, str] = "auto"
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s

@@ -514,6 +514,17 @@ def test_auto_qps_uses_every_qp_on_a_long_path_only():
     assert auto_qps(0.08, 1) == 1 and auto_qps(0.08, 0) == 1  # the peer offered fewer
 
 
+def test_auto_sets_up_one_qp_to_a_peer_on_this_host():
+    from fate_rdma.protocol.policy import AUTO_QPS_MAX, one_host, qps_offer
+
+    assert one_host("127.0.0.1", "127.0.0.1") and one_host("127.0.0.1", "127.0.0.9") and one_host("::1", "::1")
+    assert one_host("10.1.2.3", "10.1.2.3")  # this host's own address: routed locally
+    assert not one_host("198.18.0.1", "198.18.1.2")  # another namespace (the testbed's sites), another host
+    assert not one_host("198.18.0.1", "not an address")
+    assert qps_offer("auto", near=True) == 1 and qps_offer("auto", near=False) == AUTO_QPS_MAX
+    assert qps_offer(3, near=True) == 3  # a number is taken as set
+
+
 def test_the_paths_rate_window_and_qps_in_use():
     class Model:
         rate_bps = 1e9

@@ -25,7 +25,7 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.policy import (AUTO_QPS_MAX, Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use,
+from ..protocol.policy import (Mode, choose_mode, first_chunk_bytes, one_host, path_rate_bps, qps_in_use, qps_offer,
                                window_for)
 from .checksum import integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
@@ -82,7 +82,7 @@ class Connection:
         pool = PoolOffer(cfg.pool_slots, cfg.slot_bytes, MAX_META) if cfg.mode == "fedrdma-e" else None
         staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                    if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
-        offer_qps = AUTO_QPS_MAX if cfg.qps_per_peer == "auto" else int(cfg.qps_per_peer)
+        offer_qps = qps_offer(cfg.qps_per_peer, one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link)
         peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum,
                                           self.endpoint.terms), t)
         if peer.name != self.identity.name:

@@ -5,6 +5,7 @@ how far a FedRDMA-E slot grows, and the sender's credit for the peer's FedRDMA s
 from __future__ import annotations
 
 import enum
+import ipaddress
 from typing import List, Optional, Set, Union
 
 from ..errors import ConfigError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
@@ -108,6 +109,27 @@ def auto_qps(rtt_s: float, available: int) -> int:
     recovery from a loss stalls the whole transfer and several streams do not (eval link --study qps:
     100 Mbit/s x 80 ms, 1 % loss: 1 / 2 / 4 QPs 29 / 43 / 48 Mbit/s)."""
     return max(1, available) if rtt_s >= LONG_PATH_RTT_S else 1
+
+
+def one_host(local_ip: str, peer_ip: str) -> bool:
+    """Is the peer a process of this host: a loopback address, or this side's own address (which the
+    kernel routes locally)? Addresses of other network namespaces (the WAN testbed's sites) are not."""
+    try:
+        peer = ipaddress.ip_address(peer_ip.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(peer, "ipv4_mapped", None)
+    return bool(peer.is_loopback or (mapped is not None and mapped.is_loopback) or peer_ip == local_ip)
+
+
+def qps_offer(setting: Union[int, str], near: bool) -> int:
+    """The QPs a connection sets up: `setting`, or under "auto" AUTO_QPS_MAX, except to a peer `near`
+    (on this host, no link model): its RTT measures the scheduler, not a distance (a probe taken while
+    three parties start up read >= 10 ms on loopback, and four striped streams then slowed a same-host
+    FATE round from 0.25 to 0.41 s), so one QP, as the peer also decides (it sees the same addresses)."""
+    if setting != "auto":
+        return int(setting)
+    return 1 if near else AUTO_QPS_MAX
 
 
 def qps_in_use(setting: Union[int, str], rtt_s: Optional[float], available: int) -> int:
