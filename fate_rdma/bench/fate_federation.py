@@ -202,7 +202,7 @@ def _row(method: str, res: Dict[str, Any], mode: str, scale: float, lora_rank: i
 
 
 #: the fate-rdma wrapper's timers (fate_rdma/federation/wrapper.py), in the order a round meets them
-TIMERS = ("frame_seconds", "send_seconds", "descriptor_push_seconds", "descriptor_wait_seconds", "payload_wait_seconds")
+TIMERS = ("frame_seconds", "put_copy_seconds", "send_seconds", "descriptor_push_seconds", "descriptor_wait_seconds", "payload_wait_seconds")
 
 
 def _breakdown(res: Dict[str, Any], rounds: int) -> Optional[Dict[str, Dict[str, float]]]:
@@ -211,7 +211,9 @@ def _breakdown(res: Dict[str, Any], rounds: int) -> Optional[Dict[str, Dict[str,
     if not res["guest"].get("rdma") or not rounds:
         return None
     out: Dict[str, Dict[str, float]] = {r: {k: res[r]["rdma"].get(k, 0.0) / rounds for k in TIMERS} for r in ROLES}
-    for r in ROLES:  # whole job, not per round: how much of what arrived landed in memory faulted in fresh
+    for r in ROLES:  # whole job, not per round: what arrived lent in place (FedRDMA-E slots, no copy), and
+        # how much of what was copied or reassembled landed in memory faulted in fresh
+        out[r]["lent_recv_bytes"] = res[r]["rdma"].get("lent_bytes", 0)
         out[r]["fresh_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("fresh_bytes", 0)
         out[r]["reused_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("reused_bytes", 0)
     return out
@@ -297,8 +299,9 @@ def run(args: argparse.Namespace) -> int:
             print("  party     " + "".join(f"{k.replace('_seconds', ''):>17}" for k in TIMERS))
             for role, t in r["breakdown"].items():
                 print(f"  {role:<9} " + "".join(f"{t[k]:>17.3f}" for k in TIMERS))
-            print("  received into fresh memory / recycled buffers, whole job: " + ", ".join(
-                f"{role} {human_bytes(t['fresh_recv_bytes'])} / {human_bytes(t['reused_recv_bytes'])}"
+            print("  received lent in place (FedRDMA-E slot, no copy) / into fresh memory / recycled buffers, whole "
+                  "job: " + ", ".join(f"{role} {human_bytes(t['lent_recv_bytes'])} / {human_bytes(t['fresh_recv_bytes'])} / "
+                                      f"{human_bytes(t['reused_recv_bytes'])}"
                 for role, t in r["breakdown"].items()))
     ok = True
     for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:

@@ -110,6 +110,8 @@ class Message:
         self._releaser = releaser
         self._alloc = alloc
         self._lend = lend
+        #: detach() lent the receive slot itself (no copy)
+        self.lent = False
         self._lock = threading.Lock()
 
     @property
@@ -127,7 +129,7 @@ class Message:
         if self._releaser is not None and self._lend is not None and view.nbytes >= LEND_MIN_BYTES and self._lend():
             with self._lock:
                 fn, self._releaser = self._releaser, None
-            self.view = memoryview(b"")
+            self.view, self.lent = memoryview(b""), True
             anchor = np.frombuffer(view, dtype=np.uint8)  # its base is `view`: every derived object holds it
             del view
             if fn is not None:

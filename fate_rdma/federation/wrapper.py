@@ -74,7 +74,7 @@ class RdmaFederation:
                       # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
                       "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
-                      "buffered_puts": 0, "put_copy_seconds": 0.0}
+                      "buffered_puts": 0, "put_copy_seconds": 0.0, "lent_bytes": 0}
         self._put_copies = RecvBuffers(cfg.put_buffer_bytes)  # recycled as reassembly buffers are
         self._inflight: set = set()
         self._inflight_bytes = 0
@@ -118,7 +118,9 @@ class RdmaFederation:
                         log.warning("fate-rdma: dropped transfer %d from %s: %s", msg.transfer_id, msg.peer, why)
                         msg.release()
                         continue
-                data = msg.detach()  # FATE (or a frame's arrays) use it in place; a FedRDMA-E slot goes back now
+                data = msg.detach()  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
+                if msg.lent:
+                    self.stats["lent_bytes"] += data.nbytes
                 if isinstance(key, tuple):
                     self._store.put(key, (md, data))
                 elif isinstance(key, str):
