@@ -216,6 +216,8 @@ def test_a_detached_payload_is_lent_in_place_and_its_slot_returns_when_the_last_
 
         lent = slot_of(view)
         assert lent is not None, "the payload was copied, not lent"
+        (report,) = rx.pool_report()["peers"].values()
+        assert report["slots"][lent]["state"] == "lent"  # what doctor and pool_report say it holds
         rkey = conn.slot_sender.slot_mrs[lent].rkey
         arr = np.frombuffer(view, dtype=np.uint8)
         arrays = [arr[:4096].reshape(64, 64), arr[4096:]]

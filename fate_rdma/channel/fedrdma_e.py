@@ -234,6 +234,10 @@ class SlotReceiver:
             self._lent.add(slot)
             return True
 
+    def lent_slots(self) -> Set[int]:
+        with self._lent_lock:
+            return set(self._lent)
+
     def release(self, slot: int) -> None:
         with self._lent_lock:
             self._lent.discard(slot)

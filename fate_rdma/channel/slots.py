@@ -183,9 +183,10 @@ def pool_report(conns: Iterable[Any], budget: Any) -> Dict[str, Any]:
         rx = getattr(c, "slot_receiver", None)
         if slots is None or rx is None:
             continue
-        pool = rx.machine.pool
+        pool, lent = rx.machine.pool, rx.lent_slots()
+        # "lent": held by the application in place (Message.detach), "held": a message not yet released
         peers[c.peer] = {"reserved_bytes": slots.reserved_bytes, "resident_bytes": slots.resident_bytes(),
-                         "slots": [{"payload_bytes": pool.capacity[i], "state": pool.state[i].value}
+                         "slots": [{"payload_bytes": pool.capacity[i], "state": "lent" if i in lent else pool.state[i].value}
                                    for i in range(pool.nslots)]}
     resident = [p["resident_bytes"] for p in peers.values()]
     return {"reserved_bytes": sum(p["reserved_bytes"] for p in peers.values()),
