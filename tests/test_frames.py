@@ -4,6 +4,8 @@ torch tensors survive exactly, arrays are views of the received buffer, anything
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -166,10 +168,21 @@ def test_message_detach_lends_a_large_slot_until_the_last_view_is_gone():
     view = msg.detach()
     assert released == [3, 4] and asked == [True, False] and not msg.lent
     assert np.frombuffer(view, dtype=np.uint8).ctypes.data != slot.ctypes.data and bytes(view) == slot.tobytes()
+    # a release() racing detach() (another thread) waits for it and then has nothing left to release:
+    # the slot stays lent until its last view goes, never released under a view the application holds
+    racing = []
+    msg = Message("p", 6, {}, memoryview(slot).cast("B"), "fedrdma-e", lambda: released.append(6),
+                  RecvBuffers(1 << 20).get, lambda: racing.append(threading.Thread(target=msg.release)) or
+                  racing[0].start() or time.sleep(0.2) or True)
+    view = msg.detach()
+    racing[0].join(5)
+    assert msg.lent and 6 not in released and np.frombuffer(view, dtype=np.uint8).ctypes.data == slot.ctypes.data
+    del view
+    assert released[-1] == 6 and released.count(6) == 1
     # below LEND_MIN_BYTES a copy costs little: not even asked
     small = Message("p", 5, {}, memoryview(slot[:100]).cast("B"), "fedrdma-e", lambda: released.append(5),
                     RecvBuffers(1 << 20).get, lend(True))
-    assert bytes(small.detach()) == slot[:100].tobytes() and released == [3, 4, 5] and asked == [True, False]
+    assert bytes(small.detach()) == slot[:100].tobytes() and released == [3, 4, 6, 5] and asked == [True, False]
 
 
 def test_a_decoded_payload_dropped_frees_its_buffer_without_a_garbage_collection():

@@ -126,14 +126,17 @@ class Message:
         on the one array every such object holds). Otherwise one copy, into a recycled buffer of the
         endpoint, and the slot goes back now."""
         view = self.view
-        if self._releaser is not None and self._lend is not None and view.nbytes >= LEND_MIN_BYTES and self._lend():
-            with self._lock:
-                fn, self._releaser = self._releaser, None
+        with self._lock:  # asked and taken at once: a release() meanwhile waits, then finds nothing to do
+            fn = self._releaser
+            if fn is None or self._lend is None or view.nbytes < LEND_MIN_BYTES or not self._lend():
+                fn = None
+            else:
+                self._releaser = None
+        if fn is not None:
             self.view, self.lent = memoryview(b""), True
             anchor = np.frombuffer(view, dtype=np.uint8)  # its base is `view`: every derived object holds it
             del view
-            if fn is not None:
-                weakref.finalize(anchor, fn).atexit = False  # (at exit the connection is gone with it)
+            weakref.finalize(anchor, fn).atexit = False  # (at exit the connection is gone with it)
             return memoryview(anchor)
         if self._releaser is not None:
             buf = self._alloc(view.nbytes) if self._alloc is not None else np.empty(view.nbytes, dtype=np.uint8)
