@@ -54,8 +54,8 @@ class ChannelConfig:
     #: long lossy path several streams beat one congested stream (`fate-rdma eval link --study qps`),
     #: and three clients sending to one arbiter at once finish within 10 % of each other where one
     #: stream each did not (`fate-rdma eval fairness`). To a peer on this host (policy.one_host) without
-    #: a link model, auto sets up one QP: a probe there measures the scheduler (a same-host FATE round
-    #: striped on a misread probe took 0.41 s against 0.25 s). The default; a number is taken as set
+    #: a link model, auto sets up one QP: there is no path to stripe over (with four set up, a same-host
+    #: FATE round took 0.41 s against 0.25 s, cause not traced). The default; a number is taken as set
     qps_per_peer: Union[int, str] = "auto"
     #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate
     link_enable: Union[bool, str] = "auto"

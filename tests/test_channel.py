@@ -311,7 +311,7 @@ def test_several_queue_pairs(mode, provider):
 def test_auto_queue_pairs_follow_the_measured_path(link, used):
     """qps_per_peer auto stripes over four QPs where the RTT probe measured a long path (here the soft
     link model's 20 ms); to a peer on this host without a link model it sets up one (policy.one_host:
-    a probe there measures the scheduler); every byte arrives either way."""
+    no path to stripe over); every byte arrives either way."""
     cfg = cfg_for("fedrdma-e", "soft-tcp", qps_per_peer="auto", soft_link=link)
     peer = Peer(cfg)
     try:

@@ -124,9 +124,9 @@ def one_host(local_ip: str, peer_ip: str) -> bool:
 
 def qps_offer(setting: Union[int, str], near: bool) -> int:
     """The QPs a connection sets up: `setting`, or under "auto" AUTO_QPS_MAX, except to a peer `near`
-    (on this host, no link model): its RTT measures the scheduler, not a distance (a probe taken while
-    three parties start up read >= 10 ms on loopback, and four striped streams then slowed a same-host
-    FATE round from 0.25 to 0.41 s), so one QP, as the peer also decides (it sees the same addresses)."""
+    (on this host, no link model): there is no path to stripe over, and with four QPs set up a same-host
+    FATE round took 0.41 s against 0.25 s (cause not traced: a probe reading >= 10 ms under load, or the
+    extra QPs' threads), so one QP, as the peer also decides (it sees the same addresses)."""
     if setting != "auto":
         return int(setting)
     return 1 if near else AUTO_QPS_MAX
