@@ -17,6 +17,7 @@ import pytest
 from fate_rdma import errors as E
 from fate_rdma.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
+from fate_rdma.channel import transfer
 from fate_rdma.channel.auth import authenticate, write_secret
 from fate_rdma.config import ChannelConfig
 
@@ -336,7 +337,7 @@ def test_held_slot_is_not_writable_by_the_sender(secret, provider):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("mode", MODES)
-def test_peer_cannot_read_back_receive_memory(secret, provider, mode):
+def test_peer_cannot_read_back_receive_memory(secret, provider, mode, monkeypatch):
     """Receive memory is the peer's to write, never to read: after a transfer was delivered, changed in
     place by the application (a sum into the received array, say) and released, an RDMA READ of the
     re-granted FedRDMA-E slot or of the FedRDMA staging buffers fails with a remote access error and
@@ -357,8 +358,12 @@ def test_peer_cannot_read_back_receive_memory(secret, provider, mode):
             slot = next(i for i, mr in enumerate(conn.slot_sender.slot_mrs) if mr.length > 3 * CHUNK)  # the grown one
             old_rkey = conn.slot_sender.slot_mrs[slot].rkey
         secret_bytes = b"\x5a" * 4096
-        if mode == "fedrdma-e":
-            msg.view[:4096] = secret_bytes  # the application works in place on what it received
+        if mode == "fedrdma-e":  # the application works in place on what it received: the slot, lent
+            monkeypatch.setattr(transfer, "LEND_MIN_BYTES", 0)
+            view = msg.detach()
+            assert msg.lent
+            view[:4096] = secret_bytes
+            del view  # the slot goes back once the last view of it is gone
         msg.release()
         if mode == "fedrdma-e":  # wait for the CREDIT that grants the slot again, under a new rkey
             deadline = time.monotonic() + 10

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fate_rdma import errors as E
-from fate_rdma.channel import Endpoint
+from fate_rdma.channel import Endpoint, transfer
 from fate_rdma.config import ChannelConfig
 
 from .test_channel import PROVIDERS, Peer, cfg_for, wait_for
@@ -167,10 +167,13 @@ def test_pool_report_says_what_the_pools_hold():
         msg.release()
 
 
-def test_without_a_checksum_a_released_slot_is_cleared_before_it_is_granted_again():
-    """checksum: none proves nothing about which bytes a transfer wrote, so a released slot is cleared
-    over what its transfer announced before its CREDIT: bytes a later transfer does not write read as
-    zeros, never as the earlier payload (buffers.clear; in-process, soft provider)."""
+def test_without_a_checksum_a_lent_slot_is_cleared_before_it_is_granted_again(monkeypatch):
+    """checksum: none proves nothing about which bytes a transfer wrote. A message's view of its slot is
+    read-only, so a slot released without being lent holds only what its peer wrote; a lent slot may hold
+    what the application made of the payload in place, so it is cleared over what its transfer announced
+    before its CREDIT: bytes a later transfer does not write read as zeros, never as the application's
+    (fedrdma_e.SlotReceiver.release; in-process, soft provider)."""
+    monkeypatch.setattr(transfer, "LEND_MIN_BYTES", 0)
     cfg = grow_cfg("soft", checksum="none")
     with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
         rx.name = rx.address
@@ -179,13 +182,18 @@ def test_without_a_checksum_a_released_slot_is_cleared_before_it_is_granted_agai
         tx.send(rx.address, data).result(30)
         msg = rx.recv(timeout=30)
         assert bytes(msg.view) == data.tobytes()
+        with pytest.raises(TypeError):
+            msg.view[:1] = b"x"  # the slot itself: read-only until lent
         (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
         slot = next(i for i, n in enumerate(rconn.mem.slots.capacity) if n >= data.nbytes)
         old_rkey = conn.slot_sender.slot_mrs[slot].rkey
-        msg.release()
+        view = msg.detach()
+        assert msg.lent
+        view[:] = b"\x5a" * view.nbytes  # the application works in place
+        del view
         wait_for(lambda: conn.slot_sender.slot_mrs[slot].rkey != old_rkey, 10, "the slot's CREDIT")
-        view = np.frombuffer(rconn.mem.slots.view(slot), dtype=np.uint8)
-        assert view.nbytes >= data.nbytes and not view.any(), "the released slot still holds the payload"
+        after = np.frombuffer(rconn.mem.slots.view(slot), dtype=np.uint8)
+        assert after.nbytes >= data.nbytes and not after.any(), "the returned slot still holds the application's bytes"
         tx.send(rx.address, b"next").result(30)  # and the slot takes the next transfer
         assert bytes(rx.recv(timeout=30).detach()) == b"next"
 

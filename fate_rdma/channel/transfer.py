@@ -94,9 +94,10 @@ class TransferFuture(concurrent.futures.Future):
 class Message:
     """An incoming transfer: metadata, a zero-copy view of the payload, and `release()`.
 
-    FedRDMA-E: the view is the receive slot itself; release it promptly, the sender waits for free
-    slots. `detach()` if the data must outlive the message (in place where the peer's pool can spare
-    the slot, else copied).
+    FedRDMA-E: the view is the receive slot itself, read-only (so that a released slot holds nothing but
+    what its peer wrote: fedrdma_e.SlotReceiver.release); release it promptly, the sender waits for free
+    slots. `detach()` if the data must outlive the message (in place, writable, where the peer's pool can
+    spare the slot, else copied).
     """
 
     def __init__(self, peer: str, transfer_id: int, metadata: Dict[str, Any], view: memoryview, mode: str,
@@ -105,7 +106,9 @@ class Message:
         self.peer = peer
         self.transfer_id = transfer_id
         self.metadata = metadata
-        self.view = view
+        #: a receive slot (`lend` given) is handed out read-only; detach() lends the writable view
+        self._slot = view if lend is not None else None
+        self.view = view.toreadonly() if lend is not None else view
         self.mode = mode
         self._releaser = releaser
         self._alloc = alloc
@@ -133,9 +136,9 @@ class Message:
             else:
                 self._releaser = None
         if fn is not None:
-            self.view, self.lent = memoryview(b""), True
-            anchor = np.frombuffer(view, dtype=np.uint8)  # its base is `view`: every derived object holds it
-            del view
+            slot, self._slot, self.view, self.lent = self._slot, None, memoryview(b""), True
+            anchor = np.frombuffer(slot, dtype=np.uint8)  # its base is `slot`: every derived object holds it
+            del view, slot
             weakref.finalize(anchor, fn).atexit = False  # (at exit the connection is gone with it)
             return memoryview(anchor)
         if self._releaser is not None:
@@ -148,7 +151,7 @@ class Message:
     def release(self) -> None:
         with self._lock:
             fn, self._releaser = self._releaser, None
-        self.view = memoryview(b"")
+        self.view, self._slot = memoryview(b""), None
         if fn is not None:
             fn()
 
