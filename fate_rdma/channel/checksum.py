@@ -13,12 +13,12 @@ import concurrent.futures
 import os
 import struct
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaves
+from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks, leaves, xxh_leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -53,6 +53,27 @@ def payload_checksum(views: Sequence[memoryview]) -> int:
         crcs = [_crc_pieces(b) for b in blocks]
     else:
         crcs = list(_pool("block").map(_crc_pieces, blocks))
+    return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
+
+
+def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any]) -> None:
+    """Start the crc32c of every block of `payload` from block `first` on that `known` (block index ->
+    future) lacks, on the block pool: the receiver's share of payload_checksum for bytes a PLACED note
+    says are placed, computed while the rest arrives."""
+    for b in range(first, -(-payload.nbytes // BLOCK_BYTES)):
+        if b not in known:
+            known[b] = _pool("block").submit(_crc_pieces, [payload[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]])
+
+
+def payload_checksum_with(payload: memoryview, known: Dict[int, Any]) -> int:
+    """payload_checksum([payload]) using the block checksums `known` started early (block_checksums_async)
+    and computing the others in parallel now."""
+    if not known:
+        return payload_checksum([payload])
+    blocks = _blocks([payload])
+    todo = [i for i in range(len(blocks)) if i not in known]
+    done = dict(zip(todo, _pool("block").map(_crc_pieces, [blocks[i] for i in todo])))
+    crcs = [done[i] if i in done else known[i].result() for i in range(len(blocks))]
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 

@@ -83,8 +83,8 @@ class Connection:
         staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                    if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
         offer_qps = qps_offer(cfg.qps_per_peer, one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link)
-        peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum,
-                                          self.endpoint.terms), t)
+        peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum, self.endpoint.terms,
+                                          placed_notes=pool is not None and cfg.checksum == "crc32c"), t)
         if peer.name != self.identity.name:
             raise RemoteProtocolError(f"peer authenticated as {self.identity.name!r} names itself {peer.name!r} in its hello")
         agree_checksum(cfg.checksum, peer)

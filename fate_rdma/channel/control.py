@@ -95,13 +95,15 @@ def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
             conn.slot_sender.on_credit(c, a)
         else:
             conn.slot_sender.on_reclaim(c)
-    elif c.kind in (CtrlKind.GROW, CtrlKind.RETURN):
+    elif c.kind in (CtrlKind.GROW, CtrlKind.RETURN, CtrlKind.PLACED):
         if conn.slot_receiver is None:
             raise RemoteProtocolError(f"{conn.peer} sent a {c.kind.name}; this side offered no receive pool")
         if c.kind is CtrlKind.GROW:
             conn.slot_receiver.on_grow(c)
-        else:
+        elif c.kind is CtrlKind.RETURN:
             conn.slot_receiver.on_return(c)
+        else:
+            conn.slot_receiver.on_placed(c)
     elif c.kind is CtrlKind.CANCEL:
         if a is not None and a.fut.transfer_id == c.transfer_id:
             conn.fail_out(a, TransferCancelled(f"transfer {c.transfer_id} cancelled by {conn.peer}: {c.reason}",

@@ -4,7 +4,8 @@ Sending: chunks n-1 .. 1 to their final offsets in the slot the SlotRing gives u
 [HEADER|meta] as WRITE_WITH_IMM(imm = slot << 16 | seq) on QP 0. The header carries the whole
 payload's checksum, computed on a worker while the first chunks are on the wire. When every WRITE
 has completed the transfer is PLACED; the receiver's DONE (sent after its own checksum) makes it
-DONE, an ERROR fails it.
+DONE, an ERROR fails it. To a receiver that asked for them (crc32c), PLACED notes on the way say from
+which offset the payload is placed; the receiver checksums those blocks before the header arrives.
 Receiving: the WRITE_WITH_IMM says a slot is complete: verify, answer DONE, hand out a view of the
 slot; releasing it sends the slot's CREDIT back.
 Slots follow the traffic (protocol/pool.py, slots.py): a payload larger than its slot's grant first
@@ -18,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import crc32c
 
@@ -29,13 +30,19 @@ from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
-from .checksum import payload_checksum, payload_checksum_async, payload_digest
+from ..protocol.frames import PLACED_TOTAL_MASK
+from ..protocol.integrity import BLOCK_BYTES
+from .checksum import block_checksums_async, payload_checksum_async, payload_checksum_with, payload_digest
 from .handshake import PoolOffer
 
 if TYPE_CHECKING:
     from .connection import Connection, Outgoing
 
 log = logging.getLogger("fate_rdma.channel")
+
+#: PLACED notes (crc32c only): for payloads of at least this many bytes, one note per this much progress
+PLACED_NOTE_MIN_BYTES = 2 * BLOCK_BYTES
+PLACED_NOTE_EVERY_BYTES = 16 << 20
 
 #: how long a transfer waits for a slot in use that has room, per GiB of payload, before it grows a
 #: free slot instead (about what faulting that much fresh memory in costs on a small VM)
@@ -65,6 +72,8 @@ class SlotSender:
                                offer.slot_payload_bytes, [mr.rkey for mr in self.slot_mrs])
         #: PLACED transfers, waiting for the receiver's DONE, by transfer id
         self.placed: Dict[int, "Outgoing"] = {}
+        #: the peer takes PLACED notes (its hello says so)
+        self.notes = bool(getattr(conn.peer_hello, "placed_notes", False))
 
     def machine(self, o: "Outgoing", window: int, common: Dict[str, float]) -> Optional[P.FedRdmaESender]:
         """A machine for `o` in the next free slot, or None while no slot is free (wait for CREDIT). A
@@ -114,11 +123,26 @@ class SlotSender:
         m: P.FedRdmaESender = o.machine
         m.on_write_complete(seq, time.monotonic())
         o.fut._progress(m.done_bytes)
+        if self.notes and o.integrity.kind == "crc32c" and o.payload.total >= PLACED_NOTE_MIN_BYTES \
+                and not m.header_posted:
+            self._note_placed(o, m)
         if m.state is P.fedrdma.SendState.DONE:  # the receiver's DONE overtook this completion
             self.conn.finish_out(o)
         elif m.placed:
             self.conn.unset_active(o)
             self.placed[o.fut.transfer_id] = o
+
+    def _note_placed(self, o: "Outgoing", m: P.FedRdmaESender) -> None:
+        """Tell the receiver (PLACED) from which offset the payload is placed, every PLACED_NOTE_EVERY_BYTES
+        of progress and when only chunk 0 is left: it checksums those bytes while the rest arrives. On the
+        control QP, so a note sent before the header arrives before it."""
+        x = m.placed_from()
+        if x is None or (o.noted is not None and o.noted - x < PLACED_NOTE_EVERY_BYTES and x != m.chunks[1].offset):
+            return
+        if x == o.noted:
+            return
+        o.noted = x
+        self.conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, o.fut.transfer_id, o.slot << 48 | o.payload.total, x))
 
     def on_done(self, tid: int, active: Optional["Outgoing"]) -> None:
         o = self.placed.pop(tid, None)
@@ -181,6 +205,26 @@ class SlotReceiver:
         self._written: Dict[int, int] = {}  # slot -> bytes its last transfer announced (header to payload end)
         self._lent: Set[int] = set()  # slots whose payload the application holds in place (Message.detach)
         self._lent_lock = threading.Lock()
+        #: slot -> (transfer id, payload bytes, {block: crc32c future}) started on the sender's PLACED notes
+        self._early: Dict[int, Tuple[int, int, Dict[int, Any]]] = {}
+
+    def on_placed(self, c: P.Ctrl) -> None:
+        """The sender's PLACED note: payload bytes `c.aux` .. end of transfer `c.transfer_id` are in slot
+        `c.value >> 48`; start their block checksums (crc32c). Every field is checked against the slot's
+        grant first; a note for a transfer already seen (its header overtook it) is dropped. The
+        checksum proves what crossed the wire, not that the sender left those bytes alone afterwards."""
+        slot, total, start, tid = c.value >> 48, c.value & PLACED_TOTAL_MASK, c.aux, c.transfer_id
+        if slot >= self.machine.nslots or total > self.pool.capacity[slot] or start > total:
+            raise RemoteProtocolError(f"{self.conn.peer}: PLACED note for slot {slot} ({start} of {total} bytes) does "
+                                      f"not fit this side's pool")
+        if not self.machine.verify_crc or self.machine.integrity.kind != "crc32c" or self.machine.seen(tid) \
+                or slot in self.machine.held:
+            return
+        early = self._early.get(slot)
+        if early is None or early[:2] != (tid, total):
+            early = self._early[slot] = (tid, total, {})
+        base = self.offer.offset_in_slot(0)
+        block_checksums_async(self.conn.mem.slot_view(slot)[base:base + total], -(-start // BLOCK_BYTES), early[2])
 
     def on_write_imm(self, imm: int) -> None:
         conn = self.conn
@@ -210,7 +254,9 @@ class SlotReceiver:
         integrity = self.machine.integrity
         try:
             if integrity.kind == "crc32c":
-                self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum([payload]))
+                early = self._early.pop(slot, None)
+                known = early[2] if early is not None and early[:2] == (h.transfer_id, h.total) else {}
+                self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum_with(payload, known))
             elif integrity.kind in ("blake2b", "xxh3"):
                 self.machine.verify_tag(msg, bytes(meta), payload_digest(integrity, [payload]))
         except IntegrityError as exc:

@@ -17,6 +17,9 @@ Hello (version 1):
     checksum   "crc32c", "xxh3", "blake2b" or "none": what it requires of every transfer it receives, which is
                also what it sends with (one setting per endpoint). Absent (an endpoint that predates
                it): not checked here; its frames still meet the receiver's rule one by one.
+    placed_notes  true if it takes PLACED notes (frames.CtrlKind.PLACED: the sender says which payload
+               bytes of a FedRDMA-E transfer are placed, and the receiver checksums them before the header
+               arrives). Absent or false (an endpoint that predates it): none are sent to it.
     terms      null or {str: str} (at most MAX_TERMS, short): settings of the layer above the channel that
                both ends must share (the FATE wrapper's `descriptors`); a key both announce with different
                values fails the connection on both sides with a ConfigError naming both. Absent (an
@@ -133,13 +136,14 @@ class Hello:
     staging: Optional[StagingOffer] = None
     checksum: Optional[str] = None
     terms: Optional[Dict[str, str]] = None
+    placed_notes: bool = False
     version: int = VERSION
 
     def to_wire(self) -> Dict[str, Any]:
         return {"fate_rdma": self.version, "name": self.name, "qps": self.qps,
                 "pool": dataclasses.asdict(self.pool) if self.pool else None,
                 "staging": dataclasses.asdict(self.staging) if self.staging else None, "checksum": self.checksum,
-                "terms": self.terms}
+                "terms": self.terms, "placed_notes": self.placed_notes}
 
     @classmethod
     def from_wire(cls, obj: Any, where: str) -> "Hello":
@@ -167,7 +171,8 @@ class Hello:
                                       f"{MAX_TERMS} strings of at most {MAX_TERM_CHARS} characters")
         return cls(name, _int(obj, "qps", 1, MAX_QPS, where),
                    PoolOffer.from_wire(pool, where) if pool is not None else None,
-                   StagingOffer.from_wire(staging, where) if staging is not None else None, checksum, terms)
+                   StagingOffer.from_wire(staging, where) if staging is not None else None, checksum, terms,
+                   obj.get("placed_notes") is True)
 
 
 def exchange_hello(boot: ev.BootstrapConn, mine: Hello, timeout_s: float) -> Hello:

@@ -81,6 +81,7 @@ class FedRdmaESender(SenderBase):
         self.imm = make_imm(slot, seq16)
         self.header_after_all = header_after_all
         self._order = list(range(len(self.chunks) - 1, -1, -1))  # back to front; chunk 0 last
+        self._tail = len(self.chunks)  # placed_from: chunks _tail .. n-1 have completed
         #: set while the checksum that the header carries is still being computed
         self.hold_header = False
         self._confirmed = False  # the receiver's DONE arrived before our last WRITE completed
@@ -106,6 +107,15 @@ class FedRdmaESender(SenderBase):
             self._in_flight.add(seq)
             out.append(self.chunks[seq])
         return out
+
+    def placed_from(self) -> Optional[int]:
+        """The lowest payload offset from which every byte to the payload's end is placed (the WRITEs of
+        chunks 1 .. n-1 from there on have completed: chunks go back to front), or None while the last
+        chunk is not; chunk 0, which carries the header, never counts. What a PLACED note tells the
+        receiver, so that it can checksum those bytes before the header arrives."""
+        while self._tail > 1 and self._tail - 1 in self._done:
+            self._tail -= 1
+        return self.chunks[self._tail].offset if self._tail < len(self.chunks) else None
 
     def header(self, meta_len: int, crc: Optional[int], meta_crc: int = 0) -> Header:
         return Header(HeaderKind.SLOT, self.transfer_id, 0, len(self.chunks), 0, self.chunks[0].length, meta_len,
@@ -195,6 +205,10 @@ class FedRdmaEReceiver:
     @property
     def verify_crc(self) -> bool:
         return self.integrity.on
+
+    def seen(self, tid: int) -> bool:
+        """Has transfer `tid` arrived before (or left the replay window)?"""
+        return tid in self._seen or tid <= self._forgotten
 
     def _replay_check(self, tid: int, slot: int) -> None:
         if tid in self._seen or tid <= self._forgotten:

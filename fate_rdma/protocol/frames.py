@@ -45,13 +45,14 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
     kind         u8   CtrlKind
     flags        u16  0
     reason_len   u16  bytes of reason text after the frame
-    transfer_id  u64  the transfer concerned (ACK, CANCEL, ERROR, DONE, GROW); CREDIT: the slot's
+    transfer_id  u64  the transfer concerned (ACK, CANCEL, ERROR, DONE, GROW, PLACED); CREDIT: the slot's
                       payload capacity in bytes under this grant; else 0
     value        u64  ACK: chunk seq; CREDIT, GROW, RECLAIM, RETURN: slot; ERROR: ErrorCode;
-                      PROBE/PROBE_REPLY: nonce
+                      PROBE/PROBE_REPLY: nonce; PLACED: slot << 48 | the payload's bytes
     aux          u64  ACK: the staging buffer the chunk used (its credit goes back); CREDIT: the rkey
                       under which the slot is granted again; GROW: payload bytes the transfer needs;
-                      RECLAIM, RETURN: the rkey of the grant asked back / handed back; else 0
+                      RECLAIM, RETURN: the rkey of the grant asked back / handed back; PLACED: the
+                      payload offset from which every byte is placed; else 0
 
 GROW, RECLAIM and RETURN resize FedRDMA-E receive slots; who sends which, and when, is in pool.py.
 """
@@ -78,6 +79,7 @@ _TAIL = struct.Struct("!IIII")
 #: metadata rides in the header area of a FedRDMA-E slot; 64 KiB is plenty for names, tags and gRPC metadata
 MAX_META = 64 * 1024
 MAX_REASON = 1024
+PLACED_TOTAL_MASK = (1 << 48) - 1
 MAX_CHUNK = (1 << 32) - 1
 
 
@@ -97,6 +99,10 @@ class CtrlKind(enum.IntEnum):
     GROW = 8  # sender -> receiver (FedRDMA-E): make slot `value` hold `aux` payload bytes for `transfer_id`
     RECLAIM = 9  # receiver -> sender (FedRDMA-E): hand slot `value` (granted under rkey `aux`) back, to shrink it
     RETURN = 10  # sender -> receiver (FedRDMA-E): slot `value` (rkey `aux`) is not written until its next CREDIT
+    #: sender -> receiver (FedRDMA-E, to a receiver whose hello asked for them): every payload byte of
+    #: `transfer_id` from offset `aux` to its end is placed in slot `value >> 48`, whose payload has
+    #: `value & PLACED_TOTAL_MASK` bytes: the receiver may checksum them before the header arrives
+    PLACED = 11
 
 
 class ErrorCode(enum.IntEnum):
