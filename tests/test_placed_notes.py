@@ -94,19 +94,21 @@ def test_a_transfer_is_verified_from_blocks_checksummed_before_its_header(monkey
 def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch):
     """Corruption on the way (here: one byte of the slot flipped just before the receiver checksums the
     noted blocks) fails the transfer as an integrity error; nothing reaches the application."""
-    start_blocks = fe.block_checksums_async
+    start_blocks, flipped = fe.block_checksums_async, []
 
     def corrupt_then_checksum(payload, first, known):
-        if not known:
+        if not flipped:
+            flipped.append(first)
             payload[-1] ^= 0xFF
         return start_blocks(payload, first, known)
 
     monkeypatch.setattr(fe, "block_checksums_async", corrupt_then_checksum)
     rx, tx = _pair()
     with rx, tx:
-        data = np.full(16 * MiB, 7, dtype=np.uint8)
+        data = np.full(24 * MiB, 7, dtype=np.uint8)
         with pytest.raises(IntegrityError, match="crc32c mismatch"):
             tx.send(rx.address, data).result(60)
+        assert flipped, "no PLACED note arrived"
         with pytest.raises(Exception):
             rx.recv(timeout=0.5)
         tx.send(rx.address, b"after").result(30)  # the connection stays usable
@@ -149,3 +151,31 @@ def test_a_malformed_note_ends_the_connection_naming_it(value, aux, why):
         conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, 77, value, aux))
         wait_for(lambda: rconn.dead is not None, 10, "the receiver ending the connection")
         assert "PLACED note" in str(rconn.dead) and why in str(rconn.dead)
+
+
+def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
+    """Only the first transfer noted under a slot's grant gets early checksums: a peer cannot make the
+    receiver checksum the slot over and over by naming new transfer ids. The next transfer into the slot
+    is verified in full at its header, and later ones use notes again."""
+    seen = _spy(monkeypatch)
+    rx, tx = _pair()
+    with rx, tx:
+        conn = tx.connect(rx.address)
+        wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
+        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        started = []
+        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known: started.append(first))
+        for tid in (1000, 1001, 1002):
+            conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, tid, (0 << 48) | 4096, 0))
+        wait_for(lambda: len(seen["notes"]) == 3, 10, "three notes at the receiver")
+        assert started == [0] and rconn.slot_receiver._early[0][0] == 1000
+        monkeypatch.undo()
+        seen = _spy(monkeypatch)
+        for i in range(3):
+            data = np.random.default_rng(i).integers(0, 256, 24 * MiB, dtype=np.uint8)
+            tx.send(rx.address, data).result(60)
+            msg = rx.recv(timeout=30)
+            assert bytes(msg.view) == data.tobytes()
+            msg.release()
+        assert 0 not in rconn.slot_receiver._early or rconn.slot_receiver._early[0][0] != 1000
+        assert any(seen["known"])  # notes were used again after the stale entry went

@@ -27,10 +27,9 @@ import easypyverbs as ev
 
 from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
-from ..protocol.frames import CtrlKind, ErrorCode
+from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
 from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
-from ..protocol.frames import PLACED_TOTAL_MASK
 from ..protocol.integrity import BLOCK_BYTES
 from .checksum import block_checksums_async, payload_checksum_async, payload_checksum_with, payload_digest
 from .handshake import PoolOffer
@@ -40,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fate_rdma.channel")
 
-#: PLACED notes (crc32c only): for payloads of at least this many bytes, one note per this much progress
+#: PLACED notes (crc32c only): for payloads of at least this many bytes, one note per this many bytes of newly
+#: placed whole checksum blocks
 PLACED_NOTE_MIN_BYTES = 2 * BLOCK_BYTES
 PLACED_NOTE_EVERY_BYTES = 16 << 20
 
@@ -133,15 +133,18 @@ class SlotSender:
             self.placed[o.fut.transfer_id] = o
 
     def _note_placed(self, o: "Outgoing", m: P.FedRdmaESender) -> None:
-        """Tell the receiver (PLACED) from which offset the payload is placed, every PLACED_NOTE_EVERY_BYTES
-        of progress and when only chunk 0 is left: it checksums those bytes while the rest arrives. On the
-        control QP, so a note sent before the header arrives before it."""
+        """Tell the receiver (PLACED) from which offset the payload is placed once that covers at least
+        PLACED_NOTE_EVERY_BYTES of whole checksum blocks more than the last note did, or any more when only
+        chunk 0 is left: it checksums those blocks while the rest arrives. On the control QP, so a note sent
+        before the header arrives before it."""
         x = m.placed_from()
-        if x is None or (o.noted is not None and o.noted - x < PLACED_NOTE_EVERY_BYTES and x != m.chunks[1].offset):
+        if x is None:
             return
-        if x == o.noted:
+        first = -(-x // BLOCK_BYTES)  # the first block wholly placed (the last, short one included)
+        before = o.noted if o.noted is not None else -(-o.payload.total // BLOCK_BYTES)
+        if before - first < (1 if x == m.chunks[1].offset else PLACED_NOTE_EVERY_BYTES // BLOCK_BYTES):
             return
-        o.noted = x
+        o.noted = first
         self.conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, o.fut.transfer_id, o.slot << 48 | o.payload.total, x))
 
     def on_done(self, tid: int, active: Optional["Outgoing"]) -> None:
@@ -211,8 +214,10 @@ class SlotReceiver:
     def on_placed(self, c: P.Ctrl) -> None:
         """The sender's PLACED note: payload bytes `c.aux` .. end of transfer `c.transfer_id` are in slot
         `c.value >> 48`; start their block checksums (crc32c). Every field is checked against the slot's
-        grant first; a note for a transfer already seen (its header overtook it) is dropped. The
-        checksum proves what crossed the wire, not that the sender left those bytes alone afterwards."""
+        grant first; a note for a transfer already seen (its header overtook it) is dropped, and so is one
+        for another transfer than the first noted under the slot's grant: a peer gets no more checksum work
+        out of notes than its transfers would cost (each block once per grant). The checksum proves what
+        crossed the wire, not that the sender left those bytes alone afterwards."""
         slot, total, start, tid = c.value >> 48, c.value & PLACED_TOTAL_MASK, c.aux, c.transfer_id
         if slot >= self.machine.nslots or total > self.pool.capacity[slot] or start > total:
             raise RemoteProtocolError(f"{self.conn.peer}: PLACED note for slot {slot} ({start} of {total} bytes) does "
@@ -220,9 +225,9 @@ class SlotReceiver:
         if not self.machine.verify_crc or self.machine.integrity.kind != "crc32c" or self.machine.seen(tid) \
                 or slot in self.machine.held:
             return
-        early = self._early.get(slot)
-        if early is None or early[:2] != (tid, total):
-            early = self._early[slot] = (tid, total, {})
+        early = self._early.setdefault(slot, (tid, total, {}))
+        if early[:2] != (tid, total):
+            return
         base = self.offer.offset_in_slot(0)
         block_checksums_async(self.conn.mem.slot_view(slot)[base:base + total], -(-start // BLOCK_BYTES), early[2])
 
@@ -301,6 +306,7 @@ class SlotReceiver:
 
     def _credit(self, slot: int) -> None:
         """Grant `slot` to the peer again, under a new rkey, and tell it."""
+        self._early.pop(slot, None)
         rkey = self.conn.mem.grant_slot(slot)
         self.conn.send_ctrl(self.pool.granted(slot, rkey, self.pool.capacity[slot]))
 
@@ -328,6 +334,7 @@ class SlotReceiver:
             conn.refuse(tid, ErrorCode.TOO_LARGE, f"receive slot {slot} could not grow to {capacity} bytes: {exc}")
             return
         conn._reserved += more
+        self._early.pop(slot, None)
         log.debug("%s: slot %d grew to %d bytes for transfer %d", conn.peer, slot, capacity, tid)
         conn.send_ctrl(self.pool.grown(slot, rkey, capacity, time.monotonic()))
 
@@ -335,6 +342,7 @@ class SlotReceiver:
         """The peer handed a slot back that we asked for: shrink it and grant it again."""
         capacity = self.pool.on_return(c)  # every field checked; a RETURN we did not ask for ends the connection
         slot, slots, conn = int(c.value), self.conn.mem.slots, self.conn
+        self._early.pop(slot, None)  # (a note's checksums over the old extent: granted anew below)
         before = slots.slot_bytes(slot)
         rkey = slots.resize(slot, capacity)
         less = before - slots.slot_bytes(slot)

@@ -41,5 +41,5 @@ class Outgoing:
         self.pending_wrs = 0
         self.error: Optional[BaseException] = None
         self.started = 0.0
-        #: FedRDMA-E: the payload offset the last PLACED note named (the receiver checksums from there on)
+        #: FedRDMA-E: the first checksum block the last PLACED note covered (the receiver checksums from there on)
         self.noted: Optional[int] = None
