@@ -2,8 +2,8 @@
 offset its payload is placed, and the receiver checksums those blocks (crc32c) while the rest arrives,
 so that only the last chunks are left to verify when the header comes. The machine's watermark, the
 hello field, a transfer that uses the notes (and still catches bytes corrupted on the way), no notes
-to a peer that did not ask or under another checksum, and malformed notes refused naming the frame
-(in-process, soft provider)."""
+to a peer that did not ask or under another checksum, none to a same-host peer where its copy keeps
+every core busy, and malformed notes refused naming the frame (in-process, soft provider over TCP unless named)."""
 from __future__ import annotations
 
 import crc32c
@@ -48,8 +48,8 @@ def test_hello_field_is_true_only_when_announced_as_true():
     assert Hello.from_wire(wire, "peer").placed_notes is False
 
 
-def _pair(**kw):
-    cfg = cfg_for("fedrdma-e", "soft", **dict(dict(slot_bytes=32 * MiB, chunk_bytes=MiB, window=8), **kw))
+def _pair(provider="soft-tcp", **kw):
+    cfg = cfg_for("fedrdma-e", provider, **dict(dict(slot_bytes=32 * MiB, chunk_bytes=MiB, window=8), **kw))
     rx, tx = Endpoint(cfg, name="rx"), Endpoint(cfg, name="tx")
     rx.name = rx.address
     return rx, tx
@@ -179,3 +179,17 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
             msg.release()
         assert 0 not in rconn.slot_receiver._early or rconn.slot_receiver._early[0][0] != 1000
         assert any(seen["known"])  # notes were used again after the stale entry went
+
+
+@pytest.mark.parametrize("cpus, notes", [(2, False), (8, True)])
+def test_a_same_host_peer_gets_notes_only_where_cores_are_left_beside_its_copy(monkeypatch, cpus, notes):
+    monkeypatch.setattr(fe.os, "cpu_count", lambda: cpus)
+    seen = _spy(monkeypatch)
+    rx, tx = _pair("soft")
+    with rx, tx:
+        conn = tx.connect(rx.address)
+        assert fe._same_host(conn) and conn.slot_sender.notes is notes
+        data = np.random.default_rng(5).integers(0, 256, 24 * MiB, dtype=np.uint8)
+        tx.send(rx.address, data).result(60)
+        assert crc32c.crc32c(rx.recv(timeout=30).detach()) == crc32c.crc32c(data)
+    assert bool(seen["notes"]) is notes
