@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks, leaves, xxh_leaves
+from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -53,6 +53,11 @@ def payload_checksum(views: Sequence[memoryview]) -> int:
         crcs = [_crc_pieces(b) for b in blocks]
     else:
         crcs = list(_pool("block").map(_crc_pieces, blocks))
+    return _combine(crcs)
+
+
+def _combine(crcs: List[int]) -> int:
+    """The transfer's checksum from its blocks' crc32c, in order."""
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 
@@ -60,9 +65,10 @@ def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any]
     """Start the crc32c of every block of `payload` from block `first` on that `known` (block index ->
     future) lacks, on the block pool: the receiver's share of payload_checksum for bytes a PLACED note
     says are placed, computed while the rest arrives."""
-    for b in range(first, -(-payload.nbytes // BLOCK_BYTES)):
+    blocks = _blocks([payload])
+    for b in range(first, len(blocks)):
         if b not in known:
-            known[b] = _pool("block").submit(_crc_pieces, [payload[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]])
+            known[b] = _pool("block").submit(_crc_pieces, blocks[b])
 
 
 def payload_checksum_with(payload: memoryview, known: Dict[int, Any]) -> int:
@@ -73,8 +79,7 @@ def payload_checksum_with(payload: memoryview, known: Dict[int, Any]) -> int:
     blocks = _blocks([payload])
     todo = [i for i in range(len(blocks)) if i not in known]
     done = dict(zip(todo, _pool("block").map(_crc_pieces, [blocks[i] for i in todo])))
-    crcs = [done[i] if i in done else known[i].result() for i in range(len(blocks))]
-    return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
+    return _combine([done[i] if i in done else known[i].result() for i in range(len(blocks))])
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:

@@ -29,9 +29,9 @@ import easypyverbs as ev
 from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
+from ..protocol.integrity import BLOCK_BYTES
 from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
-from ..protocol.integrity import BLOCK_BYTES
 from .checksum import block_checksums_async, payload_checksum_async, payload_checksum_with, payload_digest
 from .handshake import PoolOffer
 

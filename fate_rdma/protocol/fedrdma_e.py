@@ -211,7 +211,7 @@ class FedRdmaEReceiver:
         return tid in self._seen or tid <= self._forgotten
 
     def _replay_check(self, tid: int, slot: int) -> None:
-        if tid in self._seen or tid <= self._forgotten:
+        if self.seen(tid):
             raise RemoteProtocolError(f"slot {slot}: transfer {tid} arrived before (a replayed slot write)")
         self._seen.add(tid)
         self._seen_order.append(tid)
