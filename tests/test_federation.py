@@ -305,6 +305,32 @@ def test_buffered_put_sends_what_was_put_though_the_caller_changes_it_at_once(gu
     assert fed.fate_rdma._inflight_bytes == 0
 
 
+def test_a_buffered_put_whose_copy_fails_raises_once_and_sends_nothing(guest, monkeypatch):
+    """The copy runs while its first chunks go (transfer.Fill); if it fails, the put raises the copy's
+    error, its transfer is cancelled, the room is given back, and the next put is not failed again by it
+    (that nothing of a cancelled transfer is delivered: tests/test_fill.py)."""
+    from fate_rdma.channel.transfer import Fill
+
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s8b", names="w2")
+    real_run = Fill.run
+
+    def failing_run(self, dest, sources, block_bytes):
+        self.advance(self.total - min(self.total, 1 << 20))  # the last MiB is final: its chunk may go
+        self.fail(MemoryError("copy failed here"))
+        raise MemoryError("copy failed here")
+
+    monkeypatch.setattr(Fill, "run", failing_run)
+    big = [np.random.default_rng(5).standard_normal(1_000_000)]
+    with pytest.raises(MemoryError, match="copy failed here"):
+        ctx.hosts[0].put("w", big)
+    monkeypatch.setattr(Fill, "run", real_run)
+    assert fed.fate_rdma.flush(10) and fed.fate_rdma._inflight_bytes == 0
+    ctx.hosts[0].put("w2", big)  # not failed by the first put's cancelled transfer
+    res = host_result(host)
+    assert res.get("error") is None and res["w2"] == sha(big), res
+
+
 def test_put_buffer_off_waits_for_delivery(guest):
     eps = endpoints()
     ctx, fed, host = guest(section(eps, put_buffer_bytes=0), section(eps), "s9")

@@ -13,12 +13,12 @@ import concurrent.futures
 import os
 import struct
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaves
+from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaf, xxh_leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -96,10 +96,48 @@ def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
     return payload_leaves(views, integrity.key) if integrity.kind == "blake2b" else None
 
 
-def payload_checksum_async(views: Sequence[memoryview],
-                           integrity: Optional[Integrity] = None) -> "concurrent.futures.Future[Digest]":
-    """payload_digest on a worker thread (the sender overlaps it with the first chunks on the wire)."""
-    return _pool("payload").submit(payload_digest, integrity or CRC32C, list(views))
+def block_digest(kind: str) -> Optional[Tuple[str, Callable[[int, memoryview], Any]]]:
+    """(kind, the digest of block i of a payload) for a checksum whose blocks one copy can serve to every
+    peer (crc32c, xxh3: unkeyed), else None (blake2b is keyed per connection; none has no blocks)."""
+    if kind == "crc32c":
+        return kind, lambda _i, block: crc32c.crc32c(block)
+    if kind == "xxh3":
+        return kind, lambda i, block: xxh_leaf(i, [block])
+    return None
+
+
+def _from_blocks(kind: str, digests: Dict[int, Any]) -> Digest:
+    """A payload's digest from all of its blocks' digests (block_digest)."""
+    ordered = [digests[i] for i in range(len(digests))]
+    return _combine(ordered) if kind == "crc32c" else b"".join(ordered)
+
+
+def payload_checksum_async(views: Sequence[memoryview], integrity: Optional[Integrity] = None,
+                           fill: Any = None) -> "concurrent.futures.Future[Digest]":
+    """payload_digest on a worker thread (the sender overlaps it with the first chunks on the wire); of a
+    payload still being copied in (`fill`, transfer.Fill), once every byte is final, from the digests the
+    copier took of each block where it took them for this checksum. If the copy fails the future stays
+    pending: the transfer fails on the copy's error instead."""
+    integrity = integrity or CRC32C
+    if fill is None:
+        return _pool("payload").submit(payload_digest, integrity, list(views))
+    out: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
+
+    def start() -> None:
+        if fill.error is not None:
+            return
+        if fill.digest is not None and fill.digest[0] == integrity.kind and not integrity.key:
+            out.set_result(_from_blocks(integrity.kind, fill.digests))
+            return
+        concurrent.futures.Future.add_done_callback(payload_checksum_async(views, integrity),
+                                                    lambda f: _settle(out, f))
+    fill.when_done(start)
+    return out
+
+
+def _settle(out: "concurrent.futures.Future[Any]", f: "concurrent.futures.Future[Any]") -> None:
+    exc = f.exception()
+    out.set_exception(exc) if exc is not None else out.set_result(f.result())
 
 
 def integrities(kind: str, identity: Identity, dialer: bool) -> Tuple[Integrity, Integrity]:

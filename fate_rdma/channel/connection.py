@@ -36,7 +36,7 @@ from .handshake import (Hello, PoolOffer, StagingOffer, agree_checksum, agree_te
                         exchange_hello)
 from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
-from .transfer import Message, Payload, TransferFuture, group_sges
+from .transfer import Fill, Message, Payload, TransferFuture, group_sges
 
 log = logging.getLogger("fate_rdma.channel")
 
@@ -132,20 +132,22 @@ class Connection:
         self.rcs[qp_idx].qp.post_recv(self.mem.recv_sge(qp_idx, k), wr_id=RECV_TAG | (qp_idx << 20) | k)  # type: ignore[union-attr]
 
     # -- user side (any thread) -----------------------------------------------------------------
-    def send(self, buffers: Any, metadata: Optional[Dict[str, Any]] = None) -> TransferFuture:
+    def send(self, buffers: Any, metadata: Optional[Dict[str, Any]] = None, fill: Optional[Fill] = None) -> TransferFuture:
         if self.dead is not None:
             raise PeerUnreachable(f"connection to {self.peer} is down: {self.dead}")
         meta = json.dumps(metadata or {}, separators=(",", ":")).encode()
         if len(meta) > MAX_META:
             raise FateRdmaError(f"metadata of {len(meta)} bytes exceeds {MAX_META}")
-        payload = Payload(self.endpoint.pd, buffers)
+        payload = Payload(self.endpoint.pd, buffers, fill)
         tid = (id(self) & 0xFFFF) << 40 | self._take_tid()
         fut = TransferFuture(tid, payload.total, lambda f: self._request(Request.CANCEL, f))
         fut.set_running_or_notify_cancel()
         out = Outgoing(fut, payload, meta, self.send_integrity)
         if out.checksums and self.cfg.mode == "fedrdma-e":
-            out.crc_future = payload_checksum_async(payload.views(), self.send_integrity)
+            out.crc_future = payload_checksum_async(payload.views(), self.send_integrity, fill)
             out.crc_future.add_done_callback(lambda _f: self.cq.wake())
+        if fill is not None:
+            fill.on_change(self.cq.wake)
         self._request(Request.SEND, out)
         return fut
 
@@ -229,7 +231,9 @@ class Connection:
         try:
             mode = choose_mode(cfg.mode, o.payload.total, peer.pool.slot_payload_bytes if peer.pool else None,
                                peer.staging is not None, cfg.too_large, o.fut.transfer_id, peer=self.peer)
-        except (PayloadTooLarge, ConfigError) as exc:  # too large for the peer's slot, or the peers' modes disagree
+            if not o.payload.startable(back_to_front=mode is Mode.FEDRDMA_E):
+                return False  # (staged chunks go front to back: once the payload's copy is done)
+        except (PayloadTooLarge, ConfigError, TransferCancelled) as exc:  # too large, modes disagree, copy failed
             o.payload.close()
             o.fut.set_exception(exc)
             return True
@@ -254,6 +258,11 @@ class Connection:
             self._outq.popleft()
         o = self._active
         if o is None or o.error is not None:
+            return
+        fill = o.payload.fill
+        if fill is not None and fill.error is not None:
+            self.fail_out(o, TransferCancelled(f"transfer {o.fut.transfer_id}: the payload's copy failed: {fill.error}",
+                                               o.fut.transfer_id), tell_peer=True)
             return
         (self.slot_sender if o.mode is Mode.FEDRDMA_E else self.staged_sender).pump(o)  # type: ignore[union-attr]
 

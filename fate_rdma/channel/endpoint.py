@@ -16,7 +16,7 @@ from .auth import authenticate, load_secret
 from .buffers import Budget, RecvBuffers
 from .connection import Connection
 from .tls import ChannelTLS
-from .transfer import Message, TransferFuture
+from .transfer import Fill, Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
 
@@ -270,9 +270,11 @@ class Endpoint:
         return sorted({c.peer for c in self._all_conns()})
 
     # -- transfers ------------------------------------------------------------------------------
-    def send(self, address: str, buffers: Any, metadata: Optional[Dict[str, Any]] = None) -> TransferFuture:
-        """Send `buffers` (bytes, memoryview, numpy array or a list of them) with `metadata` to `address`."""
-        return self.connect(address).send(buffers, metadata)
+    def send(self, address: str, buffers: Any, metadata: Optional[Dict[str, Any]] = None,
+             fill: Optional[Fill] = None) -> TransferFuture:
+        """Send `buffers` (bytes, memoryview, numpy array or a list of them) with `metadata` to `address`;
+        with `fill`, buffers still being copied into (back to front): chunks go as their bytes are final."""
+        return self.connect(address).send(buffers, metadata, fill)
 
     def _inbox_put(self, msg: Message) -> None:
         self._inbox.put(msg)

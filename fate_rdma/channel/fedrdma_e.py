@@ -110,6 +110,7 @@ class SlotSender:
             o.crc_future = payload_checksum_async(o.payload.views(), o.integrity)
             o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
         m.hold_header = o.checksums and not o.crc_future.done()
+        m.ready_from = o.payload.ready_from()
         for c in m.next_chunks():
             self._post(o, c)
 

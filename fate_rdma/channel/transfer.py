@@ -5,12 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 import easypyverbs as ev
 
+from ..errors import TransferCancelled
 from .buffers import copy_into
 
 Buffers = Union[bytes, bytearray, memoryview, Any, Sequence[Any]]
@@ -19,10 +20,96 @@ Buffers = Union[bytes, bytearray, memoryview, Any, Sequence[Any]]
 LEND_MIN_BYTES = 1 << 20
 
 
-class Payload:
-    """The caller's buffers registered (zero copy) as one virtual byte range."""
+class Fill:
+    """A payload whose bytes are still being copied in, back to front (the order FedRDMA-E writes its
+    chunks in), so that a buffered put's copy and its transfer overlap: [ready_from, total) is final.
+    `run` copies (or a copier calls `advance` as it goes and `fail` if it cannot finish); the channel
+    posts a chunk only once its bytes are final and finishes the checksum once all are. With `digest`
+    (checksum.block_digest: crc32c or XXH3, unkeyed, so one copy serves every peer) the copier also
+    takes each checksum block's digest while the block it just wrote is still in cache."""
 
-    def __init__(self, pd: ev.PD, buffers: Buffers) -> None:
+    def __init__(self, total: int, digest: Optional[Tuple[str, Callable[[int, memoryview], Any]]] = None) -> None:
+        self.total = total
+        self.ready_from = total
+        self.error: Optional[BaseException] = None
+        #: (checksum kind, block index -> digest of that block) for `digests`
+        self.digest = digest
+        #: block index -> its digest, filled by `run` (complete once `done` without an error)
+        self.digests: Dict[int, Any] = {}
+        self._cond = threading.Condition()
+        self._wakers: List[Callable[[], None]] = []
+        self._when_done: List[Callable[[], None]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.ready_from == 0 or self.error is not None
+
+    def on_change(self, wake: Callable[[], None]) -> None:
+        """`wake()` (any thread, must not block) after every advance and on failure."""
+        with self._cond:
+            self._wakers.append(wake)
+
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """`fn()` once every byte is final or the copy failed (at once if it already is)."""
+        with self._cond:
+            if not self.done:
+                self._when_done.append(fn)
+                return
+        fn()
+
+    def advance(self, ready_from: int) -> None:
+        """Every byte from `ready_from` to the end is final now."""
+        if not 0 <= ready_from <= self.ready_from:
+            raise ValueError(f"a fill goes back to front: {ready_from} after {self.ready_from}")
+        self._move(ready_from, None)
+
+    def fail(self, exc: BaseException) -> None:
+        self._move(self.ready_from, exc)
+
+    def run(self, dest: np.ndarray, sources: Sequence[Any], block_bytes: int) -> None:
+        """Copy `sources`, one after another, into `dest` (numpy's copy, without the GIL), back to front
+        in blocks of `block_bytes` (the checksum's blocks), advancing after each; on any error the fill
+        fails (its transfers fail, none hangs) and the error is raised."""
+        try:
+            views = [memoryview(b).cast("B") for b in sources]
+            starts, at = [], 0
+            for v in views:
+                starts.append(at)
+                at += v.nbytes
+            if at != self.total or dest.nbytes < at:
+                raise ValueError(f"a fill of {self.total} bytes from {at} bytes of sources into {dest.nbytes}")
+            kind_fn = self.digest
+            for lo in (range(((at - 1) // block_bytes) * block_bytes, -1, -block_bytes) if at else ()):
+                hi = min(lo + block_bytes, at)
+                for v, start in zip(views, starts):
+                    a, b = max(lo, start), min(hi, start + v.nbytes)
+                    if a < b:
+                        copy_into(dest, a, v[a - start:b - start])
+                if kind_fn is not None:
+                    self.digests[lo // block_bytes] = kind_fn[1](lo // block_bytes, memoryview(dest[lo:hi]))
+                self.advance(lo)
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def _move(self, ready_from: int, exc: Optional[BaseException]) -> None:
+        with self._cond:
+            self.ready_from, self.error = ready_from, self.error or exc
+            wakers = list(self._wakers)
+            finished, self._when_done = (self._when_done, []) if self.done else ([], self._when_done)
+            self._cond.notify_all()
+        for w in wakers:
+            w()
+        for fn in finished:
+            fn()
+
+
+class Payload:
+    """The caller's buffers registered (zero copy) as one virtual byte range; with a `fill`, bytes that
+    are still being copied in."""
+
+    def __init__(self, pd: ev.PD, buffers: Buffers, fill: Optional[Fill] = None) -> None:
+        self.fill = fill
         if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, (list, tuple)):
             buffers = [buffers]
         self.mrs: List[ev.MR] = []
@@ -40,6 +127,22 @@ class Payload:
             self.close()
             raise
         self.total = total
+        if fill is not None and fill.total != total:
+            self.close()
+            raise ValueError(f"a fill of {fill.total} bytes for a payload of {total}")
+
+    def startable(self, back_to_front: bool) -> bool:
+        """May a transfer of this payload start now: yes unless it is still being copied in, and then only
+        in a mode that posts chunks back to front as their bytes become final. Raises TransferCancelled
+        if the copy failed."""
+        fill = self.fill
+        if fill is not None and fill.error is not None:
+            raise TransferCancelled(f"the payload's copy failed: {fill.error}")
+        return fill is None or fill.done or back_to_front
+
+    def ready_from(self) -> int:
+        """The lowest offset from which every byte of the payload is final (0: all are)."""
+        return 0 if self.fill is None else self.fill.ready_from
 
     def sges(self, offset: int, length: int) -> List[ev.SGE]:
         """SGEs covering [offset, offset+length) of the virtual payload (across buffer boundaries)."""

@@ -25,8 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import crc32c
 
 from ..channel import Endpoint
-from ..channel.buffers import RecvBuffers, copy_into
+from ..channel.buffers import RecvBuffers
+from ..channel.checksum import block_digest
+from ..channel.transfer import Fill
 from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable, TransferTimeout
+from ..protocol.integrity import BLOCK_BYTES
 from . import frames
 from .config import RdmaFederationConfig, party_key
 from .store import Store
@@ -183,7 +186,7 @@ class RdmaFederation:
             crc = 0
             for b in bufs:
                 crc = crc32c.crc32c(b, crc)
-        held = self._buffered(bufs, len(v), framed)
+        held, fill = self._buffered(bufs, len(v), framed)
         sends: List[Tuple[Tuple[str, str], str, Any]] = []
         for p in parties:
             key = uuid.uuid4().hex
@@ -193,11 +196,17 @@ class RdmaFederation:
                 md.update(announce=True, length=len(v), crc32c=crc, frame=framed)
             try:
                 addr = self.cfg.address_of(tuple(p))
-                sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md)))
+                sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md, fill)))
             except (PeerUnreachable, ConfigError) as exc:
                 sends.append((tuple(p), key, exc))
         if held is not None:
-            self._track(held, [f for _, _, f in sends if not isinstance(f, BaseException)], len(v), name)
+            live = [f for _, _, f in sends if not isinstance(f, BaseException)]
+            copy = held[0]
+            self._track(held, live, len(v), name, fill)
+            if fill is not None and live:  # the copy, while its first chunks go (each once its bytes are final)
+                t1 = time.perf_counter()
+                fill.run(copy, bufs, BLOCK_BYTES)
+                self.stats["put_copy_seconds"] += time.perf_counter() - t1
         for p, key, fut in sends:
             err: Optional[BaseException] = fut if isinstance(fut, BaseException) else None
             if err is None and held is None:
@@ -233,41 +242,36 @@ class RdmaFederation:
         self.stats["rdma_seconds"] += time.perf_counter() - t0
 
     # -- buffered puts --------------------------------------------------------------------------
-    def _buffered(self, bufs: List[Any], nbytes: int, framed: bool) -> Optional[List[Any]]:
+    def _buffered(self, bufs: List[Any], nbytes: int, framed: bool) -> Tuple[Optional[List[Any]], Optional[Fill]]:
         """What a buffered put sends: `bufs` themselves when they cannot change (bytes), else one copy of
         them (a frame's arrays belong to the caller, who may change them once put returns, as FATE's own
-        pickling allows). None: no room under put_buffer_bytes, this put waits for its bytes to arrive."""
+        pickling allows), with the Fill that copies them in (run by the put once its sends are under way).
+        None: no room under put_buffer_bytes, this put waits for its bytes to arrive."""
         limit = self.cfg.put_buffer_bytes
         with self._inflight_lock:
             if not limit or self._inflight_bytes + nbytes > limit:
-                return None
+                return None, None
             self._inflight_bytes += nbytes
         if not framed and isinstance(bufs[0], bytes):
-            return list(bufs)
-        t0 = time.perf_counter()
+            return list(bufs), None
         try:
             copy = self._put_copies.get(nbytes)
-            at = 0
-            for b in bufs:
-                view = memoryview(b).cast("B")
-                copy_into(copy, at, view)  # without the GIL
-                at += view.nbytes
         except BaseException:
             with self._inflight_lock:
                 self._inflight_bytes -= nbytes
             raise
-        self.stats["put_copy_seconds"] += time.perf_counter() - t0
         self.stats["buffered_puts"] += 1
-        return [copy]
+        return [copy], Fill(nbytes, block_digest(self.cfg.channel.checksum))
 
-    def _track(self, held: List[Any], futs: List[Any], nbytes: int, name: str) -> None:
+    def _track(self, held: List[Any], futs: List[Any], nbytes: int, name: str, fill: Optional[Fill]) -> None:
         """Keep `held` until every send of one buffered put is over; then its room is free again. A send
-        that failed is logged at once and raised by this party's next put or get (and reported at close)."""
+        that failed is logged at once and raised by this party's next put or get (and reported at close),
+        unless it failed because the put's own copy did (the put raised that)."""
         left = [len(futs)]
 
         def done(fut: Any) -> None:
             exc = fut.exception() if not fut.cancelled() else FateRdmaError("cancelled")
-            if exc is not None:
+            if exc is not None and not (fill is not None and fill.error is not None):
                 err = PeerUnreachable(f"fate-rdma: a buffered put of {name!r} (transfer {fut.transfer_id}) failed after "
                                       f"it returned: {exc}")
                 log.error("%s; this party's next put or get raises it, the receiver's get fails after its "

@@ -84,6 +84,9 @@ class FedRdmaESender(SenderBase):
         self._tail = len(self.chunks)  # placed_from: chunks _tail .. n-1 have completed
         #: set while the checksum that the header carries is still being computed
         self.hold_header = False
+        #: the lowest payload offset from which every byte is final (a payload still being copied in, back to
+        #: front, by its sender: transfer.Fill); a chunk goes only once all of its bytes are
+        self.ready_from = 0
         self._confirmed = False  # the receiver's DONE arrived before our last WRITE completed
         self._placed_at: Optional[float] = None
         if room_bytes is not None and self.total > room_bytes:
@@ -101,6 +104,8 @@ class FedRdmaESender(SenderBase):
         out = []
         while self.state is SendState.SENDING and self._order and len(self._in_flight) < self.window:
             seq = self._order[0]
+            if self.chunks[seq].offset < self.ready_from:
+                break  # its bytes are still being copied in (chunks go back to front, so all later ones too)
             if seq == 0 and (self.hold_header or (self.header_after_all and len(self._done) < len(self.chunks) - 1)):
                 break  # chunk 0 (with the header) only once its checksum is known and, with several QPs, every other chunk is placed
             self._order.pop(0)
