@@ -170,3 +170,22 @@ def test_a_copy_that_fails_fails_its_transfer_and_delivers_nothing(mode, provide
     finally:
         ep.close()
         peer.close()
+
+
+def test_bench_transfer_puts_rows_are_labelled_and_compared():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--payload-mib", "8", "--reps", "1",
+                          "--scenarios", "loopback-tcp", "--methods", "fedrdma-e", "--windows", "auto",
+                          "--puts", "copy,overlap", "--put-memory", "fresh"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    methods = {r["method"] for r in rows}
+    assert {"fedrdma-e", "fedrdma-e put: copy, then send (fresh)", "fedrdma-e put: copy overlapped (fresh)"} <= methods
+    assert all(r["emulated"] is True and r["seconds"] > 0 for r in rows)
+    assert "loopback-tcp: a buffered put with its copy overlapped" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--puts", "later"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown scenario, method or put later" in bad.stdout + bad.stderr

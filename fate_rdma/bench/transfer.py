@@ -23,6 +23,9 @@ with the `mooncake` extra missing its rows say so and how to install it. `cpu_se
 process over the measured transfer, per GB moved (medians): what the method costs the two hosts,
 which wall time on a shared machine hides (a method that busy-polls spends CPU while it waits).
 The raw TCP, gRPC and Mooncake rows run once, under the first loopback scenario asked for.
+With `--puts copy,overlap` every fedrdma-e row is measured again as a buffered put of the FATE wrapper
+sends it: the payload copied (into recycled or, `--put-memory fresh`, new memory) and then sent, or
+copied back to front while the chunks already copied go; seconds from the copy's start.
 """
 from __future__ import annotations
 
@@ -36,7 +39,11 @@ import crc32c
 import numpy as np
 
 from ..channel import Endpoint
+from ..channel.buffers import copy_into
+from ..channel.checksum import block_digest
+from ..channel.transfer import Fill
 from ..config import ChannelConfig
+from ..protocol.integrity import BLOCK_BYTES
 from . import mooncake
 from .cpu import cpu_s, per_gb
 from .driver import PeerProcess, RawTcp
@@ -50,6 +57,7 @@ SCENARIOS = {"loopback": None, "loopback-tcp": None, "link-10g-20ms": "rate=10gb
 RATES = {"link-10g-20ms": 10e9, "link-1g-20ms": 1e9}
 GRPC_CHUNK = 4 * MiB
 PAYLOAD_SEED = 0  # the Mooncake sender process regenerates the payload from it
+PUT_LABELS = {"copy": "copy, then send", "overlap": "copy overlapped"}
 METHODS = ["raw_tcp", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch", "fedrdma", "fedrdma-e"]
 
 
@@ -66,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="end-to-end checksum (default crc32c; xxh3: an XXH3-128 tag, against accidents as crc32c at half "
                         "its CPU; blake2b: the keyed MAC, with a fresh secret for the two endpoints)")
     p.add_argument("--provider", default="soft", help="verbs provider on loopback (default soft; link scenarios are soft)")
+    p.add_argument("--puts", default="",
+                   help="comma list of copy, overlap: each fedrdma-e row once more as a buffered put makes it (what "
+                        "the FATE wrapper does with arrays the caller may change): copy = copy the payload, then send "
+                        "the copy; overlap = the copy runs back to front while the chunks already copied go (transfer.Fill)")
+    p.add_argument("--put-memory", default="warm", choices=["warm", "fresh"],
+                   help="the buffered put's copy goes into recycled memory (warm, default: later rounds) or into fresh "
+                        "memory each time (fresh: a job's first round, page faults included)")
     p.add_argument("--tls", action="store_true",
                    help="each fedrdma/fedrdma-e row once more with tls: true (mutual TLS on the bootstrap and the soft "
                         "provider's data connections; certificates from a throwaway CA): the cost of TLS beside it")
@@ -99,7 +114,28 @@ def _grpc(peer: PeerProcess, payload: bytes, reps: int) -> Dict[str, List[float]
     return out
 
 
-def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int) -> Dict[str, Any]:
+class _Put:
+    """A buffered put's copy of `data` before (copy) or while (overlap) it is sent, into recycled or fresh memory."""
+
+    def __init__(self, how: str, memory: str, data: np.ndarray, checksum: str) -> None:
+        self.how, self.memory, self.data, self.checksum = how, memory, data, checksum
+        self.recycled = [np.ones(data.nbytes, np.uint8) for _ in range(2)] if memory == "warm" else []
+        self.turn = 0
+
+    def send(self, ep: Endpoint, address: str) -> Any:
+        self.turn += 1
+        dest = self.recycled[self.turn % 2] if self.recycled else np.empty(self.data.nbytes, np.uint8)
+        if self.how == "copy":
+            copy_into(dest, 0, memoryview(self.data))
+            return ep.send(address, dest)
+        fill = Fill(self.data.nbytes, block_digest(self.checksum))
+        fut = ep.send(address, dest, None, fill)
+        fill.run(dest, [self.data], BLOCK_BYTES)
+        return fut
+
+
+def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int,
+             put: Optional[_Put] = None) -> Dict[str, Any]:
     reply = peer.cmd({"cmd": "endpoint", "config": {k: v for k, v in cfg.__dict__.items()}})
     times, rss, cpu_send, cpu_recv = [], [], [], []
     info: Dict[str, Any] = {}
@@ -113,7 +149,7 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int)
         for _ in range(reps):
             mark = peer.cmd({"cmd": "mark"})
             c0, t0 = cpu_s(), time.perf_counter()
-            fut = ep.send(reply["address"], data)
+            fut = put.send(ep, reply["address"]) if put is not None else ep.send(reply["address"], data)
             info = fut.result(cfg.transfer_timeout_s)
             r = peer.cmd({"cmd": "expect", "count": mark["count"] + 1})
             times.append(time.perf_counter() - t0)
@@ -135,10 +171,11 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     windows = [w.strip() for w in args.windows.split(",")]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = [x for x in scenarios if x not in SCENARIOS] + [m for m in methods if m not in METHODS]
+    unknown = [x for x in scenarios if x not in SCENARIOS] + [m for m in methods if m not in METHODS] + \
+        [p for p in args.puts.split(",") if p and p not in PUT_LABELS]
     if unknown:
-        raise SystemExit(f"fate-rdma bench transfer: unknown scenario or method {', '.join(unknown)} "
-                         f"(scenarios: {', '.join(SCENARIOS)}; methods: {', '.join(METHODS)})")
+        raise SystemExit(f"fate-rdma bench transfer: unknown scenario, method or put {', '.join(unknown)} "
+                         f"(scenarios: {', '.join(SCENARIOS)}; methods: {', '.join(METHODS)}; puts: {', '.join(PUT_LABELS)})")
     print(f"fate-rdma bench transfer: payload {human_bytes(nbytes)}, {reps} repetitions, scenarios {','.join(scenarios)}, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     # in numpy's own allocation, as a model's tensors are (numpy asks the kernel for transparent huge pages for
@@ -181,14 +218,17 @@ def run(args: argparse.Namespace) -> int:
             for mode in ("fedrdma", "fedrdma-e"):
                 if mode not in methods:
                     continue
-                for w, tls in [(w, tls) for w in windows for tls in ([False, True] if tls_files else [False])]:
+                puts = [None] + ([p for p in args.puts.split(",") if p] if mode == "fedrdma-e" else [])
+                for w, tls, how in [(w, tls, how) for w in windows for tls in ([False, True] if tls_files else [False])
+                                    for how in puts]:
                     cfg = ChannelConfig(mode=mode, window=int(w) if w != "auto" else "auto", slot_bytes=nbytes,
                                         provider="soft" if link else args.provider, soft_link=link,
                                         transfer_timeout_s=3600, no_progress_timeout_s=120, checksum=args.checksum,
                                         same_host=scen != "loopback-tcp", secret_file=secret,
                                         **(tls_files if tls else {}))
-                    res = _channel(peer, data, cfg, reps)
-                    add({"scenario": scen, "method": mode, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
+                    res = _channel(peer, data, cfg, reps, _Put(how, args.put_memory, data, args.checksum) if how else None)
+                    method = f"{mode} put: {PUT_LABELS[how]} ({args.put_memory})" if how else mode
+                    add({"scenario": scen, "method": method, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
                          "provider": res["provider"], "emulated": res["emulated"], "label": res["label"],
                          "path": res["path"], "checksum": args.checksum, "tls": tls,
                          "seconds": round(median(res["times"]), 4),
@@ -286,6 +326,14 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int) -> None:
     elif raw and t:
         print(f"over loopback TCP (soft provider, emulated, as between hosts): fedrdma-e / raw TCP throughput = "
               f"{raw['seconds'] / t['seconds']:.2f} (target >= 0.95)")
+    for r in rows:  # a buffered put's copy overlapped against copy-then-send, in the same scenario and window
+        if r["method"].startswith("fedrdma-e put: copy overlapped") and r.get("seconds"):
+            serial = next((x for x in rows if x["scenario"] == r["scenario"] and x.get("tls") == r.get("tls")
+                           and str(x["window"]).startswith("auto") == str(r["window"]).startswith("auto")
+                           and x["method"] == r["method"].replace("copy overlapped", "copy, then send")), None)
+            if serial and serial.get("seconds"):
+                print(f"{r['scenario']}: a buffered put with its copy overlapped {r['seconds']:.3f} s against copy, then "
+                      f"send {serial['seconds']:.3f} s ({serial['seconds'] / r['seconds']:.2f} x)")
     mc = [r for r in (get(None, m) for m in mooncake.METHODS) if r]
     if t and mc:  # both over loopback TCP; Mooncake checksums nothing, fedrdma-e its whole payload (unless none)
         best = min(mc, key=lambda r: r["seconds"])
