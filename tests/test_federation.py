@@ -331,6 +331,43 @@ def test_a_buffered_put_whose_copy_fails_raises_once_and_sends_nothing(guest, mo
     assert res.get("error") is None and res["w2"] == sha(big), res
 
 
+def test_a_buffered_put_queues_its_sends_before_its_copy_and_a_failure_before_the_copy_fails_them(guest, monkeypatch):
+    """The copy runs once every party's transfer is queued (so chunks go while it runs); a put that fails
+    before its copy (here the second party's send) fails the transfers already queued at once (none waits
+    for a copy that will not come) and gives its room back."""
+    from fate_rdma.channel.transfer import Fill
+    from fate_rdma.federation import frames
+
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s8c", names="w2")
+    w, calls = fed.fate_rdma, []
+    real_send, real_run = w.endpoint.send, Fill.run
+
+    def send(addr, bufs, md, fill=None):
+        calls.append("send")
+        if calls.count("send") == 2 and md["name"] == "w":
+            raise RuntimeError("second send refused")
+        return real_send(addr, bufs, md, fill)
+
+    def run(self, *a):
+        calls.append("run")
+        return real_run(self, *a)
+
+    monkeypatch.setattr(w.endpoint, "send", send)
+    monkeypatch.setattr(Fill, "run", run)
+    big = [np.random.default_rng(6).standard_normal(1_000_000)]
+    with pytest.raises(RuntimeError, match="second send refused"):
+        w._push_bytes(frames.encode(big, w.threshold), "w", "t", [HOST] * 2)
+    assert calls == ["send", "send"]  # no copy ran
+    t0 = time.monotonic()
+    assert w.flush(10) and w._inflight_bytes == 0 and time.monotonic() - t0 < 5
+    calls.clear()
+    ctx.hosts[0].put("w2", big)
+    assert calls == ["send", "run"]
+    res = host_result(host)
+    assert res.get("error") is None and res["w2"] == sha(big), res
+
+
 def test_put_buffer_off_waits_for_delivery(guest):
     eps = endpoints()
     ctx, fed, host = guest(section(eps, put_buffer_bytes=0), section(eps), "s9")

@@ -189,3 +189,20 @@ def test_bench_transfer_puts_rows_are_labelled_and_compared():
     bad = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--puts", "later"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown scenario, method or put later" in bad.stdout + bad.stderr
+
+
+def test_a_callback_that_raises_keeps_no_other_waiting_and_a_finished_fill_cannot_fail():
+    fill, seen = Fill(4), []
+    fill.on_change(lambda: 1 / 0)
+    fill.when_done(lambda: seen.append("done"))
+    fill.advance(0)
+    assert seen == ["done"]
+    fill.fail(RuntimeError("too late"))
+    assert fill.error is None and fill.done
+
+
+def test_run_takes_digests_only_in_the_checksums_blocks():
+    fill = Fill(8, block_digest("crc32c"))
+    with pytest.raises(ValueError, match="blocks of"):
+        fill.run(np.zeros(8, np.uint8), [b"12345678"], 4)
+    assert fill.error is not None

@@ -107,7 +107,7 @@ class SlotSender:
     def pump(self, o: "Outgoing") -> None:
         m = o.machine
         if o.checksums and o.crc_future is None:  # fell back to this mode late: start the checksum now
-            o.crc_future = payload_checksum_async(o.payload.views(), o.integrity)
+            o.crc_future = payload_checksum_async(o.payload.views(), o.integrity, o.payload.fill)
             o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
         m.hold_header = o.checksums and not o.crc_future.done()
         m.ready_from = o.payload.ready_from()

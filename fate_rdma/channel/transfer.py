@@ -3,6 +3,7 @@ payload helper that turns a list of buffers into registered MRs and SGE lists wi
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -12,7 +13,10 @@ import numpy as np
 import easypyverbs as ev
 
 from ..errors import TransferCancelled
+from ..protocol.integrity import BLOCK_BYTES
 from .buffers import copy_into
+
+log = logging.getLogger("fate_rdma.channel")
 
 Buffers = Union[bytes, bytearray, memoryview, Any, Sequence[Any]]
 #: smallest FedRDMA-E payload that `Message.detach` lends in place; below it a copy costs little and the
@@ -64,13 +68,18 @@ class Fill:
         self._move(ready_from, None)
 
     def fail(self, exc: BaseException) -> None:
-        self._move(self.ready_from, exc)
+        """The copy cannot finish: every transfer of this payload fails (nothing, once every byte is final)."""
+        if self.ready_from:
+            self._move(self.ready_from, exc)
 
     def run(self, dest: np.ndarray, sources: Sequence[Any], block_bytes: int) -> None:
         """Copy `sources`, one after another, into `dest` (numpy's copy, without the GIL), back to front
         in blocks of `block_bytes` (the checksum's blocks), advancing after each; on any error the fill
         fails (its transfers fail, none hangs) and the error is raised."""
         try:
+            if dest.dtype != np.uint8 or (self.digest is not None and block_bytes != BLOCK_BYTES):
+                raise ValueError(f"a fill copies into bytes (uint8, not {dest.dtype}), in blocks of {BLOCK_BYTES} "
+                                 f"bytes where it takes their digests (not {block_bytes})")
             views = [memoryview(b).cast("B") for b in sources]
             starts, at = [], 0
             for v in views:
@@ -98,10 +107,11 @@ class Fill:
             wakers = list(self._wakers)
             finished, self._when_done = (self._when_done, []) if self.done else ([], self._when_done)
             self._cond.notify_all()
-        for w in wakers:
-            w()
-        for fn in finished:
-            fn()
+        for fn in wakers + finished:  # one that raises must not keep the others (other peers' transfers) waiting
+            try:
+                fn()
+            except Exception:
+                log.exception("fate-rdma: a callback of a payload's copy failed")
 
 
 class Payload:

@@ -187,26 +187,7 @@ class RdmaFederation:
             for b in bufs:
                 crc = crc32c.crc32c(b, crc)
         held, fill = self._buffered(bufs, len(v), framed)
-        sends: List[Tuple[Tuple[str, str], str, Any]] = []
-        for p in parties:
-            key = uuid.uuid4().hex
-            md = {"id": key, "session": self.fed.session_id, "name": name, "tag": tag,
-                  "src": party_key(self.local), "dst": party_key(p)}
-            if self.announce:  # the descriptor's fields travel with the bytes
-                md.update(announce=True, length=len(v), crc32c=crc, frame=framed)
-            try:
-                addr = self.cfg.address_of(tuple(p))
-                sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md, fill)))
-            except (PeerUnreachable, ConfigError) as exc:
-                sends.append((tuple(p), key, exc))
-        if held is not None:
-            live = [f for _, _, f in sends if not isinstance(f, BaseException)]
-            copy = held[0]
-            self._track(held, live, len(v), name, fill)
-            if fill is not None and live:  # the copy, while its first chunks go (each once its bytes are final)
-                t1 = time.perf_counter()
-                fill.run(copy, bufs, BLOCK_BYTES)
-                self.stats["put_copy_seconds"] += time.perf_counter() - t1
+        sends = self._send_all(v, bufs, held, fill, crc, framed, name, tag, parties)
         for p, key, fut in sends:
             err: Optional[BaseException] = fut if isinstance(fut, BaseException) else None
             if err is None and held is None:
@@ -240,6 +221,52 @@ class RdmaFederation:
                 raise PeerUnreachable(f"fate-rdma: cannot send {name!r} to party {party_key(p)} at "
                                       f"{self.cfg.endpoints.get(party_key(p), '?')}: {err}") from err
         self.stats["rdma_seconds"] += time.perf_counter() - t0
+
+    def _send_all(self, v: Any, bufs: List[Any], held: Optional[List[Any]], fill: Optional[Fill], crc: Optional[int],
+                  framed: bool, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[Tuple[Tuple[str, str], str, Any]]:
+        """Queue the transfer of `v` to every party, each connected first (so that a buffered put's copy waits for
+        no dial), then run a buffered put's copy (`fill`) while its first chunks go. (party, payload id, future
+        or the error that kept it from starting) per party. Whatever raises on the way fails the copy's queued
+        transfers at once (none waits for a copy that will not come) and gives the put's room back."""
+        sends: List[Tuple[Tuple[str, str], str, Any]] = []
+        tracked = False
+        try:
+            addrs: Dict[Tuple[str, str], Any] = {}
+            for p in parties:
+                try:
+                    addrs[tuple(p)] = self.cfg.address_of(tuple(p))
+                    self.endpoint.connect(addrs[tuple(p)])
+                except (PeerUnreachable, ConfigError) as exc:
+                    addrs[tuple(p)] = exc
+            for p in parties:
+                key = uuid.uuid4().hex
+                md = {"id": key, "session": self.fed.session_id, "name": name, "tag": tag,
+                      "src": party_key(self.local), "dst": party_key(p)}
+                if self.announce:  # the descriptor's fields travel with the bytes
+                    md.update(announce=True, length=len(v), crc32c=crc, frame=framed)
+                addr = addrs[tuple(p)]
+                try:
+                    if isinstance(addr, BaseException):
+                        raise addr
+                    sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md, fill)))
+                except (PeerUnreachable, ConfigError) as exc:
+                    sends.append((tuple(p), key, exc))
+            if held is not None:
+                live = [f for _, _, f in sends if not isinstance(f, BaseException)]
+                copy = held[0]
+                self._track(held, live, len(v), name, fill)
+                tracked = True
+                if fill is not None and live:  # the copy, while its first chunks go (each once its bytes are final)
+                    t1 = time.perf_counter()
+                    fill.run(copy, bufs, BLOCK_BYTES)
+                    self.stats["put_copy_seconds"] += time.perf_counter() - t1
+        except BaseException as exc:
+            if fill is not None:
+                fill.fail(exc)  # (nothing once the copy is done)
+            if held is not None and not tracked:
+                self._track(held, [f for _, _, f in sends if not isinstance(f, BaseException)], len(v), name, fill)
+            raise
+        return sends
 
     # -- buffered puts --------------------------------------------------------------------------
     def _buffered(self, bufs: List[Any], nbytes: int, framed: bool) -> Tuple[Optional[List[Any]], Optional[Fill]]:
