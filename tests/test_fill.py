@@ -19,6 +19,7 @@ from fate_rdma.protocol.fedrdma_e import FedRdmaESender
 from fate_rdma.protocol.integrity import BLOCK_BYTES, Integrity
 
 from .test_channel import CHUNK, Peer, cfg_for
+from .verbs_pair import require
 
 
 def _rng(n: int, seed: int = 0) -> np.ndarray:
@@ -94,8 +95,10 @@ def _slow_copier(fill: Fill, dest: np.ndarray, src: np.ndarray, step: int, fail_
     return t
 
 
-@pytest.fixture(params=["soft", "soft-tcp"])
+@pytest.fixture(params=["soft", "soft-tcp", "pyverbs"])
 def provider(request):
+    """As tests/test_channel.py's: pyverbs where a device is usable (rxe0 in the VM leg), else skipped."""
+    require(request.param)
     return request.param
 
 

@@ -34,6 +34,12 @@ CHANNEL = [f"tests/test_channel.py::{t}[{m}pyverbs{p}]" for m in ("fedrdma-", "f
     ("test_three_concurrent_senders_progress_fairly", ""), ("test_large_payloads_at_once_several_to_one", ""))]
 CHANNEL += [f"tests/test_channel.py::{t}[{m}-pyverbs]" for m in ("fedrdma", "fedrdma-e")
             for t in ("test_cancel_mid_transfer", "test_peer_death_mid_transfer_errors_without_leaks")]
+# a payload still being copied in (a buffered put's overlapped copy, transfer.Fill) on rxe0: chunks posted only
+# once final, in both modes, and a copy that fails; all of them: `test-rdma.py tests/test_fill.py -k pyverbs`
+CHANNEL += ["tests/test_fill.py::test_a_payload_copied_in_while_it_goes_arrives_whole[pyverbs-crc32c-fedrdma-e]",
+            "tests/test_fill.py::test_a_payload_copied_in_while_it_goes_arrives_whole[pyverbs-none-fedrdma]",
+            "tests/test_fill.py::test_the_copiers_block_digests_make_the_checksum[pyverbs-crc32c]",
+            "tests/test_fill.py::test_a_copy_that_fails_fails_its_transfer_and_delivers_nothing[pyverbs-fedrdma-e]"]
 # failing on rxe0, not in the leg until fixed (printed at every run, never silently left out). Peer death
 # failed until the channel watched the bootstrap socket: an idle RC QP waiting for ACKs never notices a
 # dead peer, so the sender ended in a TransferTimeout instead of PeerUnreachable.
