@@ -25,16 +25,14 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.policy import (Mode, choose_mode, first_chunk_bytes, one_host, path_rate_bps, qps_in_use, qps_offer,
-                               window_for)
+from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
 from .checksum import integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .auth import Identity
-from .handshake import (Hello, PoolOffer, StagingOffer, agree_checksum, agree_terms, bootstrap_closed, confirm_posted,
-                        exchange_hello)
-from .layout import HDR_SLOT, RECV_DEPTH, LocalMemory
+from .handshake import bootstrap_closed, confirm_posted, negotiate
+from .layout import RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
 from .transfer import Fill, Message, Payload, TransferFuture, group_sges
 
@@ -79,19 +77,10 @@ class Connection:
     def _setup(self, ctx: ev.Context, pd: ev.PD, boot: ev.BootstrapConn) -> None:
         cfg = self.cfg
         t = cfg.connect_timeout_s
-        pool = PoolOffer(cfg.pool_slots, cfg.slot_bytes, MAX_META) if cfg.mode == "fedrdma-e" else None
-        staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
-                   if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
-        offer_qps = qps_offer(cfg.qps_per_peer, one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link)
-        peer = exchange_hello(boot, Hello(self.endpoint.name, offer_qps, pool, staging, cfg.checksum, self.endpoint.terms,
-                                          placed_notes=pool is not None and cfg.checksum == "crc32c"), t)
-        if peer.name != self.identity.name:
-            raise RemoteProtocolError(f"peer authenticated as {self.identity.name!r} names itself {peer.name!r} in its hello")
-        agree_checksum(cfg.checksum, peer)
-        agree_terms(self.endpoint.terms, peer)
+        agreed = negotiate(boot, cfg, self.endpoint.name, self.endpoint.terms, self.identity.name)
+        peer, pool, staging, nqps = agreed.peer, agreed.pool, agreed.staging, agreed.qps
         self.peer = peer.name
         self.peer_hello = peer
-        nqps = max(1, min(offer_qps, peer.qps))
         # FedRDMA-E slots start small and reserve more as they grow (fedrdma_e.SlotReceiver.on_grow)
         first = pool.slots * pool.offset_in_slot(min(cfg.slot_initial_bytes, cfg.slot_bytes)) if pool else 0
         offered = first + (staging.count * staging.buf_bytes if staging else 0)

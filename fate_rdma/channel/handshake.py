@@ -42,6 +42,7 @@ import easypyverbs as ev
 from ..errors import ConfigError, RemoteProtocolError
 from ..protocol.frames import HEADER, MAX_META
 from ..protocol.integrity import KINDS as CHECKSUMS
+from ..protocol.policy import one_host, qps_offer
 
 VERSION = 1
 MAX_QPS = 64
@@ -52,7 +53,9 @@ MAX_STAGING = 1024
 #: a slot holds at most one payload; 1 TiB is far above any model and far below overflow
 MAX_SLOT_PAYLOAD_BYTES = 1 << 40
 #: a staging buffer holds one chunk and its header; chunk_bytes is capped at 1 GiB
-MAX_STAGING_BUF_BYTES = (1 << 30) + HEADER.size + MAX_META
+#: a header with the largest metadata (a FedRDMA staging buffer holds one before its chunk)
+HDR_SLOT = HEADER.size + MAX_META
+MAX_STAGING_BUF_BYTES = (1 << 30) + HDR_SLOT
 
 
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
@@ -194,6 +197,33 @@ def agree_terms(mine: Optional[Mapping[str, str]], peer: Hello) -> None:
         if theirs is not None and theirs != value:
             raise ConfigError(f"fate-rdma: {peer.name} uses {key}: {theirs} and this side {key}: {value}; set the same "
                               f"{key} at every party")
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+    """What two sides agreed in their hellos: the peer's hello, this side's receive offers, the QPs to set up."""
+
+    peer: Hello
+    pool: Optional[PoolOffer]
+    staging: Optional[StagingOffer]
+    qps: int
+
+
+def negotiate(boot: ev.BootstrapConn, cfg: Any, name: str, terms: Optional[Mapping[str, str]], proven: str) -> Agreed:
+    """This side's offers (a FedRDMA-E pool, FedRDMA staging, QPs: cfg, a ChannelConfig) and hello, the peer's
+    read and checked: it must name the party authentication proved (`proven`) and share the checksum and
+    `terms`."""
+    pool = PoolOffer(cfg.pool_slots, cfg.slot_bytes, MAX_META) if cfg.mode == "fedrdma-e" else None
+    staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
+               if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
+    offer_qps = qps_offer(cfg.qps_per_peer, one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link)
+    peer = exchange_hello(boot, Hello(name, offer_qps, pool, staging, cfg.checksum, terms,
+                                      placed_notes=pool is not None and cfg.checksum == "crc32c"), cfg.connect_timeout_s)
+    if peer.name != proven:
+        raise RemoteProtocolError(f"peer authenticated as {proven!r} names itself {peer.name!r} in its hello")
+    agree_checksum(cfg.checksum, peer)
+    agree_terms(terms, peer)
+    return Agreed(peer, pool, staging, max(1, min(offer_qps, peer.qps)))
 
 
 def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:

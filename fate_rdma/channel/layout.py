@@ -20,7 +20,7 @@ import numpy as np
 import easypyverbs as ev
 
 from ..protocol.frames import CTRL, HEADER, MAX_META
-from .handshake import PoolOffer, StagingOffer
+from .handshake import HDR_SLOT, PoolOffer, StagingOffer
 from .slots import WRITE_ONLY, SlotMemory
 
 #: a control frame (CTRL + reason) fits with room to spare
@@ -29,8 +29,6 @@ CTRL_BUF = CTRL.size + 1024 + 64
 RECV_DEPTH = 256
 #: control SENDs in flight before further ones wait in a backlog
 CTRL_SENDS = 256
-#: a header with the largest metadata
-HDR_SLOT = HEADER.size + MAX_META
 
 
 class LocalMemory:

@@ -13,7 +13,7 @@ import numpy as np
 import easypyverbs as ev
 
 from ..errors import TransferCancelled
-from ..protocol.integrity import BLOCK_BYTES
+from ..protocol.integrity import BLOCK_BYTES, blocks
 from .buffers import copy_into
 
 log = logging.getLogger("fate_rdma.channel")
@@ -40,7 +40,7 @@ class Fill:
         self.digest = digest
         #: block index -> its digest, filled by `run` (complete once `done` without an error)
         self.digests: Dict[int, Any] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._wakers: List[Callable[[], None]] = []
         self._when_done: List[Callable[[], None]] = []
 
@@ -50,12 +50,12 @@ class Fill:
 
     def on_change(self, wake: Callable[[], None]) -> None:
         """`wake()` (any thread, must not block) after every advance and on failure."""
-        with self._cond:
+        with self._lock:
             self._wakers.append(wake)
 
     def when_done(self, fn: Callable[[], None]) -> None:
         """`fn()` once every byte is final or the copy failed (at once if it already is)."""
-        with self._cond:
+        with self._lock:
             if not self.done:
                 self._when_done.append(fn)
                 return
@@ -80,33 +80,27 @@ class Fill:
             if dest.dtype != np.uint8 or (self.digest is not None and block_bytes != BLOCK_BYTES):
                 raise ValueError(f"a fill copies into bytes (uint8, not {dest.dtype}), in blocks of {BLOCK_BYTES} "
                                  f"bytes where it takes their digests (not {block_bytes})")
-            views = [memoryview(b).cast("B") for b in sources]
-            starts, at = [], 0
-            for v in views:
-                starts.append(at)
-                at += v.nbytes
+            pieces = blocks([memoryview(b).cast("B") for b in sources], block_bytes)
+            at = sum(p.nbytes for block in pieces for p in block)
             if at != self.total or dest.nbytes < at:
                 raise ValueError(f"a fill of {self.total} bytes from {at} bytes of sources into {dest.nbytes}")
-            kind_fn = self.digest
-            for lo in (range(((at - 1) // block_bytes) * block_bytes, -1, -block_bytes) if at else ()):
-                hi = min(lo + block_bytes, at)
-                for v, start in zip(views, starts):
-                    a, b = max(lo, start), min(hi, start + v.nbytes)
-                    if a < b:
-                        copy_into(dest, a, v[a - start:b - start])
-                if kind_fn is not None:
-                    self.digests[lo // block_bytes] = kind_fn[1](lo // block_bytes, memoryview(dest[lo:hi]))
+            for i in range(len(pieces) - 1, -1, -1):
+                lo = pos = i * block_bytes
+                for p in pieces[i]:
+                    copy_into(dest, pos, p)
+                    pos += p.nbytes
+                if self.digest is not None:
+                    self.digests[i] = self.digest[1](i, memoryview(dest[lo:pos]))
                 self.advance(lo)
         except BaseException as exc:
             self.fail(exc)
             raise
 
     def _move(self, ready_from: int, exc: Optional[BaseException]) -> None:
-        with self._cond:
+        with self._lock:
             self.ready_from, self.error = ready_from, self.error or exc
             wakers = list(self._wakers)
             finished, self._when_done = (self._when_done, []) if self.done else ([], self._when_done)
-            self._cond.notify_all()
         for fn in wakers + finished:  # one that raises must not keep the others (other peers' transfers) waiting
             try:
                 fn()

@@ -246,11 +246,10 @@ class RdmaFederation:
                     md.update(announce=True, length=len(v), crc32c=crc, frame=framed)
                 addr = addrs[tuple(p)]
                 try:
-                    if isinstance(addr, BaseException):
-                        raise addr
-                    sends.append((tuple(p), key, self.endpoint.send(addr, held or bufs, md, fill)))
+                    fut = addr if isinstance(addr, BaseException) else self.endpoint.send(addr, held or bufs, md, fill)
                 except (PeerUnreachable, ConfigError) as exc:
-                    sends.append((tuple(p), key, exc))
+                    fut = exc
+                sends.append((tuple(p), key, fut))
             if held is not None:
                 live = [f for _, _, f in sends if not isinstance(f, BaseException)]
                 copy = held[0]

@@ -60,8 +60,9 @@ _NAMES = {"crc32c": "crc32c", "xxh3": "an XXH3 tag", "blake2b": "a BLAKE2b MAC",
 Digest = Union[int, bytes, None]
 
 
-def blocks(views: Sequence[memoryview]) -> List[List[memoryview]]:
-    """Fixed BLOCK_BYTES blocks of the concatenated payload, each as the pieces of the buffers it covers (no copy)."""
+def blocks(views: Sequence[memoryview], size: int = BLOCK_BYTES) -> List[List[memoryview]]:
+    """Fixed `size` (BLOCK_BYTES) blocks of the concatenated payload, each as the pieces of the buffers it
+    covers (no copy)."""
     out: List[List[memoryview]] = []
     room = 0
     for v in views:
@@ -69,7 +70,7 @@ def blocks(views: Sequence[memoryview]) -> List[List[memoryview]]:
         while pos < v.nbytes:
             if room == 0:
                 out.append([])
-                room = BLOCK_BYTES
+                room = size
             take = min(room, v.nbytes - pos)
             out[-1].append(v[pos:pos + take])
             pos += take
