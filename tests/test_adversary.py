@@ -202,7 +202,7 @@ def test_integrity_is_the_receivers_decision(mode, secret, provider, monkeypatch
     hides its setting (a peer that predates checksum agreement, or lies about it) and sends another
     checksum has its transfers refused as protocol errors naming the header field: a receiver that
     requires blake2b takes no crc32c, which a man in the middle could recompute."""
-    from fate_rdma.channel import connection, handshake
+    from fate_rdma.channel import handshake
 
     from .verbs_pair import require
 
@@ -214,7 +214,7 @@ def test_integrity_is_the_receivers_decision(mode, secret, provider, monkeypatch
                 ep.send(victim.address, b"x")
         to_wire = handshake.Hello.to_wire  # from here on: a client that does not say, and does not check
         monkeypatch.setattr(handshake.Hello, "to_wire", lambda h: {k: v for k, v in to_wire(h).items() if k != "checksum"})
-        monkeypatch.setattr(connection, "agree_checksum", lambda mine, peer: None)
+        monkeypatch.setattr(handshake, "agree_checksum", lambda mine, peer: None)
         with Endpoint(cfg(mode, secret, checksum=sent, provider=provider), name="client-a") as ep:
             fut = ep.send(victim.address, os.urandom(3 * CHUNK))
             with pytest.raises(E.RemoteProtocolError, match=f"'flags' says {'no checksum' if sent == 'none' else sent}"):
