@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from .buffers import address_of, as_byte_view
 from .enums import Access, QPState, WCOpcode
@@ -23,6 +23,8 @@ class Context(Resource):
     close_rank = 90
     provider: str = "?"
     emulated: bool = False
+    #: the provider places remote WRITEs itself and can digest them as they land (MR.track_writes)
+    tracks_writes: bool = False
 
     def __init__(self, name: str) -> None:
         super().__init__(None)
@@ -139,6 +141,15 @@ class MR(Resource):
         self._check_open()
         length = self._range(offset, length)
         return RemoteMR(self.addr + offset, self.rkey, length)
+
+    def track_writes(self, origin: int, block_bytes: int, start: Callable[[int], Any]) -> Optional[Any]:
+        """Digest the peer's WRITEs into this MR as they land, per block of `block_bytes` from `origin`
+        (`start(block)` makes a block's hasher: `update(view)`, `digest()`), where the provider places the
+        bytes itself: the soft provider, with each piece still in cache. Returns the digests
+        (`take(block, length)`: the digest of `length` bytes from the block's start, or None where no single
+        WRITE placed them alone), or None where the provider cannot (a NIC writes memory without this
+        process: pyverbs). Call before the peer can write (right after registering)."""
+        return None
 
     def _close_impl(self) -> None:
         self._view = memoryview(b"")

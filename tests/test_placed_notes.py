@@ -3,13 +3,18 @@ offset its payload is placed, and the receiver checksums those blocks (crc32c) w
 so that only the last chunks are left to verify when the header comes. The machine's watermark, the
 hello field, a transfer that uses the notes (and still catches bytes corrupted on the way), no notes
 to a peer that did not ask or under another checksum, none to a same-host peer where its copy keeps
-every core busy, and malformed notes refused naming the frame (in-process, soft provider over TCP unless named)."""
+every core busy, and malformed notes refused naming the frame (in-process, soft provider over TCP unless named).
+
+Notes serve providers whose NIC writes memory without the CPU (pyverbs): the soft provider digests the
+blocks a single WRITE places where they land instead (tests/test_landing.py; a noted block with such a
+digest starts no checksum), so these tests turn that off."""
 from __future__ import annotations
 
 import crc32c
 import numpy as np
 import pytest
 
+from easypyverbs.providers.soft.context import SoftContext
 from fate_rdma import protocol as P
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel import fedrdma_e as fe
@@ -20,6 +25,12 @@ from fate_rdma.protocol.frames import CtrlKind
 from .test_channel import cfg_for, wait_for
 
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _notes_not_landing(monkeypatch):
+    """The soft provider as a NIC would be: no digests where the bytes land, so receivers ask for notes."""
+    monkeypatch.setattr(SoftContext, "tracks_writes", False)
 
 
 def test_placed_from_is_the_lowest_offset_with_everything_after_it_placed():
@@ -58,18 +69,19 @@ def _pair(provider="soft-tcp", **kw):
 def _spy(monkeypatch):
     """Record each PLACED note the receiver takes and the blocks known early at each verification."""
     seen = {"notes": [], "known": []}
-    on_placed, verify = fe.SlotReceiver.on_placed, fe.payload_checksum_with
+    on_placed, verify = fe.SlotReceiver.on_placed, fe.payload_digest_with
 
     def placed(self, c):
         seen["notes"].append((c.transfer_id, c.value, c.aux))
         return on_placed(self, c)
 
-    def checked(payload, known):
-        seen["known"].append(sorted(known))
-        return verify(payload, known)
+    def checked(integrity, payload, known, landed):
+        if integrity.kind == "crc32c":
+            seen["known"].append(sorted(known))
+        return verify(integrity, payload, known, landed)
 
     monkeypatch.setattr(fe.SlotReceiver, "on_placed", placed)
-    monkeypatch.setattr(fe, "payload_checksum_with", checked)
+    monkeypatch.setattr(fe, "payload_digest_with", checked)
     return seen
 
 
@@ -96,11 +108,11 @@ def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch):
     noted blocks) fails the transfer as an integrity error; nothing reaches the application."""
     start_blocks, flipped = fe.block_checksums_async, []
 
-    def corrupt_then_checksum(payload, first, known):
+    def corrupt_then_checksum(payload, first, known, landed=None):
         if not flipped:
             flipped.append(first)
             payload[-1] ^= 0xFF
-        return start_blocks(payload, first, known)
+        return start_blocks(payload, first, known, landed)
 
     monkeypatch.setattr(fe, "block_checksums_async", corrupt_then_checksum)
     rx, tx = _pair()
@@ -164,7 +176,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
         wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
         (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
         started = []
-        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known: started.append(first))
+        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known, landed=None: started.append(first))
         for tid in (1000, 1001, 1002):
             conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, tid, (0 << 48) | 4096, 0))
         wait_for(lambda: len(seen["notes"]) == 3, 10, "three notes at the receiver")

@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import crc32c
+import xxhash
 
 from ..errors import ConfigError
 from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaf, xxh_leaves
@@ -61,25 +62,63 @@ def _combine(crcs: List[int]) -> int:
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 
-def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any]) -> None:
+def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any] = None) -> None:
     """Start the crc32c of every block of `payload` from block `first` on that `known` (block index ->
-    future) lacks, on the block pool: the receiver's share of payload_checksum for bytes a PLACED note
-    says are placed, computed while the rest arrives."""
+    future) lacks and `landed` (digests taken where the blocks landed, payload_digest_with) has none for,
+    on the block pool: the receiver's share of payload_checksum for bytes a PLACED note says are placed,
+    computed while the rest arrives."""
     blocks = _blocks([payload])
     for b in range(first, len(blocks)):
-        if b not in known:
+        if b not in known and (landed is None or landed.take(b, sum(p.nbytes for p in blocks[b])) is None):
             known[b] = _pool("block").submit(_crc_pieces, blocks[b])
 
 
-def payload_checksum_with(payload: memoryview, known: Dict[int, Any]) -> int:
-    """payload_checksum([payload]) using the block checksums `known` started early (block_checksums_async)
-    and computing the others in parallel now."""
-    if not known:
-        return payload_checksum([payload])
+class _Crc:
+    """A block's crc32c, piece by piece (a hasher for block_hasher)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, piece: memoryview) -> None:
+        self.value = crc32c.crc32c(piece, self.value)
+
+    def digest(self) -> int:
+        return self.value
+
+
+def block_hasher(integrity: Integrity) -> Optional[Callable[[int], Any]]:
+    """`start(block)`: a hasher (`update`, `digest`) whose digest is block `block`'s share of the payload
+    digest, for a check whose blocks are digested on their own (crc32c, xxh3: the receive slots digest
+    each block where it lands, easypyverbs MR.track_writes); None for blake2b (its last leaf is marked) and
+    none."""
+    if integrity.kind == "crc32c":
+        return lambda _block: _Crc()
+    if integrity.kind == "xxh3":
+        return lambda block: xxhash.xxh3_128(seed=block)
+    return None
+
+
+def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[int, Any],
+                        landed: Optional[Any] = None) -> Digest:
+    """payload_digest(integrity, [payload]) (crc32c or xxh3) from each block's digest taken where it landed
+    (`landed.take`, block_hasher), else started early (`known`: block -> future, block_checksums_async),
+    else computed now, in parallel."""
     blocks = _blocks([payload])
-    todo = [i for i in range(len(blocks)) if i not in known]
-    done = dict(zip(todo, _pool("block").map(_crc_pieces, [blocks[i] for i in todo])))
-    return _combine([done[i] if i in done else known[i].result() for i in range(len(blocks))])
+    got: Dict[int, Any] = {}
+    for i, b in enumerate(blocks):
+        d = landed.take(i, sum(p.nbytes for p in b)) if landed is not None else None
+        if d is not None:
+            got[i] = d
+        elif i in known:
+            got[i] = known[i].result()
+    todo = [i for i in range(len(blocks)) if i not in got]
+    if integrity.kind == "crc32c":
+        got.update(zip(todo, _pool("block").map(_crc_pieces, [blocks[i] for i in todo])))
+        return _combine([got[i] for i in range(len(blocks))])
+    got.update(zip(todo, _pool("block").map(lambda i: xxh_leaf(i, blocks[i]), todo)))
+    return b"".join(got[i] for i in range(len(blocks)))
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:

@@ -26,7 +26,7 @@ from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachab
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
-from .checksum import integrities, payload_checksum_async
+from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
@@ -77,6 +77,7 @@ class Connection:
     def _setup(self, ctx: ev.Context, pd: ev.PD, boot: ev.BootstrapConn) -> None:
         cfg = self.cfg
         t = cfg.connect_timeout_s
+        track = block_hasher(self.recv_integrity) if ctx.tracks_writes else None
         agreed = negotiate(boot, cfg, self.endpoint.name, self.endpoint.terms, self.identity.name)
         peer, pool, staging, nqps = agreed.peer, agreed.pool, agreed.staging, agreed.qps
         self.peer = peer.name
@@ -89,7 +90,7 @@ class Connection:
                                   f"endpoint's memory budget ({self.endpoint.budget.limit_bytes} bytes, "
                                   f"{self.endpoint.budget.held_bytes} held)")
         self._reserved = offered
-        self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes)
+        self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes, track)
         cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=8, max_recv_sge=1)
         for i in range(nqps):
             rc = ev.establish(ctx, boot, mrs=mem.remote_mrs if i == 0 else None, pd=pd, cap=cap, timeout_s=t,

@@ -32,7 +32,7 @@ from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
 from ..protocol.integrity import BLOCK_BYTES
 from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
-from .checksum import block_checksums_async, payload_checksum_async, payload_checksum_with, payload_digest
+from .checksum import block_checksums_async, payload_checksum_async, payload_digest, payload_digest_with
 from .handshake import PoolOffer
 
 if TYPE_CHECKING:
@@ -237,7 +237,9 @@ class SlotReceiver:
         if early[:2] != (tid, total):
             return
         base = self.offer.offset_in_slot(0)
-        block_checksums_async(self.conn.mem.slot_view(slot)[base:base + total], -(-start // BLOCK_BYTES), early[2])
+        # (blocks digested where they landed need no second pass: the soft provider's, MR.track_writes)
+        block_checksums_async(self.conn.mem.slot_view(slot)[base:base + total], -(-start // BLOCK_BYTES), early[2],
+                              self.conn.mem.slots.landed[slot])
 
     def on_write_imm(self, imm: int) -> None:
         conn = self.conn
@@ -259,6 +261,7 @@ class SlotReceiver:
             self.pool.refuse(slot)
             self._credit(slot)
             return
+        landed = conn.mem.slots.landed[slot]  # (of the grant the transfer came under)
         conn.mem.revoke_slot(slot)  # before the checksum: nothing the peer writes from now on lands here
         h = msg.header
         self._written[slot] = msg.payload_offset + h.total
@@ -269,8 +272,10 @@ class SlotReceiver:
             if integrity.kind == "crc32c":
                 early = self._early.pop(slot, None)
                 known = early[2] if early is not None and early[:2] == (h.transfer_id, h.total) else {}
-                self.machine.verify(msg, crc32c.crc32c(meta), payload_checksum_with(payload, known))
-            elif integrity.kind in ("blake2b", "xxh3"):
+                self.machine.verify(msg, crc32c.crc32c(meta), payload_digest_with(integrity, payload, known, landed))
+            elif integrity.kind == "xxh3":
+                self.machine.verify_tag(msg, bytes(meta), payload_digest_with(integrity, payload, {}, landed))
+            elif integrity.kind == "blake2b":
                 self.machine.verify_tag(msg, bytes(meta), payload_digest(integrity, [payload]))
         except IntegrityError as exc:
             conn.refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))

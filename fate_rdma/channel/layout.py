@@ -13,7 +13,7 @@ handshake.PoolOffer and handshake.StagingOffer, which this module mirrors for th
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -35,9 +35,10 @@ class LocalMemory:
     """Registers what this side of a connection needs, and hands out views and SGEs into it."""
 
     def __init__(self, pd: ev.PD, nqps: int, max_window: int, pool: Optional[PoolOffer],
-                 staging: Optional[StagingOffer], slot_initial_bytes: Optional[int] = None) -> None:
+                 staging: Optional[StagingOffer], slot_initial_bytes: Optional[int] = None,
+                 track: Optional[Callable[[int], Any]] = None) -> None:
         """`pool`: the slots at their largest; each starts with room for `slot_initial_bytes` (None: the
-        largest)."""
+        largest); `track`: digest the peer's WRITEs into them as they land (SlotMemory)."""
         self.mrs: List[ev.MR] = []
         self.remote_mrs: Dict[str, ev.MR] = {}
         self.pool, self.staging = pool, staging
@@ -46,7 +47,8 @@ class LocalMemory:
         try:
             if pool is not None:  # one MR per slot: a grant the peer loses while the slot is held
                 initial = pool.slot_payload_bytes if slot_initial_bytes is None else slot_initial_bytes
-                self.slots = SlotMemory(pd, pool, initial, pin=getattr(pd.ctx, "provider", "") != "soft")
+                self.slots = SlotMemory(pd, pool, initial, pin=getattr(pd.ctx, "provider", "") != "soft",
+                                        track=track)
                 for i, mr in enumerate(self.slots.mrs):
                     self.remote_mrs[f"slot{i}"] = mr  # type: ignore[assignment]
             if staging is not None:

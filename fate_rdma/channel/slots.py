@@ -16,13 +16,14 @@ import ctypes
 import functools
 import mmap
 import sys
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 
 import easypyverbs as ev
 
 from .buffers import zero_fill
+from ..protocol.integrity import BLOCK_BYTES
 from .handshake import PoolOffer
 
 PAGE = mmap.PAGESIZE
@@ -64,8 +65,13 @@ class SlotMemory:
     (a real NIC): fault a new extent in before registering it, without holding the GIL (zero_fill),
     so that other connections' threads keep running while a large slot grows."""
 
-    def __init__(self, pd: ev.PD, offer: PoolOffer, initial_payload_bytes: int, pin: bool) -> None:
-        self._pd, self.offer, self.pin = pd, offer, pin
+    def __init__(self, pd: ev.PD, offer: PoolOffer, initial_payload_bytes: int, pin: bool,
+                 track: Optional[Callable[[int], Any]] = None) -> None:
+        """`track`: a block hasher (checksum.block_hasher): each slot's MR digests the peer's WRITEs per
+        checksum block as they land, where the provider can (`landed`)."""
+        self._pd, self.offer, self.pin, self.track = pd, offer, pin, track
+        #: each slot's digests of the blocks its current grant's WRITEs placed (MR.track_writes), or None
+        self.landed: List[Optional[Any]] = []
         self.initial_payload_bytes = min(initial_payload_bytes, offer.slot_payload_bytes)
         self._maps: List[mmap.mmap] = []
         self._arrs: List[np.ndarray] = []
@@ -79,6 +85,7 @@ class SlotMemory:
                 self._arrs.append(np.frombuffer(mm, dtype=np.uint8))
                 self.capacity.append(self.initial_payload_bytes)
                 self.mrs.append(None)
+                self.landed.append(None)
                 self.mrs[-1] = self._register(len(self.mrs) - 1, 0)
         except BaseException:
             self.close()
@@ -110,7 +117,10 @@ class SlotMemory:
         n = self.slot_bytes(slot)
         if self.pin and n > faulted_bytes:
             zero_fill(self._arrs[slot][faulted_bytes:n])  # fresh pages are zeros already: this only faults them in
-        return self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY)
+        mr = self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY)
+        if self.track is not None:  # before the rkey is granted: every WRITE under it is seen
+            self.landed[slot] = mr.track_writes(self.offer.offset_in_slot(0), BLOCK_BYTES, self.track)
+        return mr
 
     def revoke(self, slot: int) -> None:
         """Deregister the slot: from now on the peer's WRITEs to it fail (remote access error)."""

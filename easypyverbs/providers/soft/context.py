@@ -8,7 +8,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from ...api import CQ, MR, PD, QP, Context
 from ...enums import Access
@@ -17,6 +17,7 @@ from ...tls import TLS_RECORD_HANDSHAKE, MutualTLS, TLSStream, first_byte, hands
 from ...types import WC, DeviceInfo, PortInfo, QPCap
 from . import samehost, wire
 from .link import Link, LinkModel
+from .landing import WriteDigests
 
 log = logging.getLogger("easypyverbs.soft")
 
@@ -28,6 +29,7 @@ class SoftContext(Context):
 
     provider = "soft"
     emulated = True
+    tracks_writes = True
 
     def __init__(
         self,
@@ -218,6 +220,11 @@ class SoftMR(MR):
         self._remote = threading.Condition()
         self._placing = 0
         self._revoked = False
+        self.landing: Optional[WriteDigests] = None
+
+    def track_writes(self, origin: int, block_bytes: int, start: Callable[[int], Any]) -> Optional[WriteDigests]:
+        self.landing = WriteDigests(self.view(), origin, block_bytes, start)
+        return self.landing
 
     def begin_remote(self, offset: int, length: int) -> Optional[memoryview]:
         """The view a remote WRITE may fill now, or None if the MR is being or has been deregistered;
@@ -242,6 +249,8 @@ class SoftMR(MR):
             if not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
                 log.error("soft MR rkey %#x closed while a remote WRITE into it was still being placed after %.0f s",
                           self.rkey, bound)
+        if self.landing is not None:
+            self.landing.close()
         super()._close_impl()
 
 

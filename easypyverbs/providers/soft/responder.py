@@ -16,6 +16,7 @@ from ...enums import Access, QPState, WCOpcode, WCStatus
 from ...errors import UsageError
 from ...types import WC
 from . import samehost, wire
+from .landing import Landing
 from .link import DelayLine
 
 #: answers to back-to-back WRITEs are coalesced (one cumulative ACK), but at least once per this many
@@ -99,16 +100,24 @@ class Responder:
         return spans if sum(n for _, n in spans) == length else None
 
     def _place(self, rd: wire.Reader, spans: Optional[List[Any]], targets: List[memoryview], due: float,
-               psn: int) -> bool:
+               psn: int, landing: Optional[Landing] = None) -> bool:
         """Fill `targets` with the request's payload: from the socket, or (same-host path) straight from
         the requester's memory. False (the request answered with an error, the QP failing) if the
-        requester's memory cannot be read."""
+        requester's memory cannot be read. `landing` (one target, a tracked MR's WRITE): place it piece by
+        piece, each digested as soon as it is placed."""
+        pieces = landing.pieces() if landing is not None else None
         if spans is None:
+            if landing is not None:
+                for at, n, _first in pieces:  # type: ignore[union-attr]
+                    rd.read_into(targets[0][at:at + n])
+                    landing.landed(at, n)
+                return True
             for t in targets:
                 rd.read_into(t)
             return True
         try:
-            samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets])
+            samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets],
+                               pieces=pieces, on_piece=landing.landed if landing is not None else None)
         except Exception as exc:  # OSError from the kernel; anything else must fail this request, not the thread
             self._answer(rd.sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
                          why=f"cannot read the requester's memory: {exc}")
@@ -140,7 +149,14 @@ class Responder:
                     self._drain(rd, length, spans)
                     self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
                     return
-                if not self._place(rd, spans, [view], due, psn):
+                landing = mr.landing.begin(raddr - mr.addr, length) if mr.landing is not None else None
+                placed = False
+                try:
+                    placed = self._place(rd, spans, [view], due, psn, landing)
+                finally:
+                    if landing is not None:
+                        landing.end(placed)
+                if not placed:
                     return
             finally:
                 mr.end_remote()

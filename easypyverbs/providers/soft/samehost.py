@@ -23,7 +23,7 @@ import ctypes.util
 import os
 import secrets
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 Span = Tuple[int, int]  # (address, length)
 
@@ -98,42 +98,71 @@ def _helper_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _helpers
 
 
-def _helped(pid: int, remote: List[Span], local: List[Span]) -> None:
+Piece = Tuple[List[Span], List[Span], int, int]  # (remote spans, local spans, offset in the copy, length)
+
+
+def _helped(pid: int, part: List[Piece], on_piece: Optional[Callable[[int, int], None]]) -> None:
     try:
-        _read(pid, remote, local)
+        _copy(pid, part, on_piece)
     finally:
         _idle.release()
 
 
-def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: int = 0) -> None:
+def _copy(pid: int, part: List[Piece], on_piece: Optional[Callable[[int, int], None]]) -> None:
+    for r, l, at, n in part:
+        _read(pid, r, l)
+        if on_piece is not None:
+            on_piece(at, n)
+
+
+def _groups(pieces: Sequence[Tuple[int, int, bool]], parts: int, total: int) -> List[List[Tuple[int, int]]]:
+    """`pieces` in at most `parts` runs of about equal bytes, each run beginning at a piece that begins a
+    block (or the first)."""
+    step, out, acc = -(-total // parts), [[]], 0  # type: ignore[var-annotated]
+    for at, n, first in pieces:
+        if first and out[-1] and acc >= step * len(out) and len(out) < parts:
+            out.append([])
+        out[-1].append((at, n))
+        acc += n
+    return out
+
+
+def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: int = 0,
+              pieces: Optional[Sequence[Tuple[int, int, bool]]] = None,
+              on_piece: Optional[Callable[[int, int], None]] = None) -> None:
     """Copy the bytes at `remote` in process `pid` into `local` here (equal totals); OSError on failure.
     A large copy is split into `threads` parts (default COPY_THREADS) done at once: this thread does the
     first, idle helper threads the rest; a part no helper is free for (other copies hold them) is done
-    here too, so concurrent copies never queue behind each other."""
+    here too, so concurrent copies never queue behind each other. `pieces` ((offset, length, begins a
+    block) covering the copy in order): copy piece by piece, calling `on_piece(offset, length)` after
+    each in the thread that copied it; a part begins only where a block does, so each block's pieces
+    are copied by one thread, in order."""
     rem, loc = [s for s in remote if s[1]], [s for s in local if s[1]]
     total = sum(n for _, n in rem)
     parts = max(1, min(threads or COPY_THREADS, total // SPLIT_MIN_BYTES))
-    if parts == 1 or total != sum(n for _, n in loc):
+    if total != sum(n for _, n in loc) or (pieces is None and parts == 1):
         _read(pid, rem, loc)
         return
-    step = -(-total // parts)
-    step += -step % 4096  # parts start on page boundaries of the payload
-    pieces = []
-    for off in range(0, total, step):
-        pieces.append((_take(_advance(rem, off), step), _take(_advance(loc, off), step)))
-    pool, futures, mine = _helper_pool(), [], [pieces[0]]
-    for r, l in pieces[1:]:
+    if pieces is None:
+        step = -(-total // parts)
+        step += -step % 4096  # parts start on page boundaries of the payload
+        runs = [[(off, min(step, total - off))] for off in range(0, total, step)]
+    else:
+        runs = _groups(pieces, parts, total)
+    work = [[(_take(_advance(rem, at), n), _take(_advance(loc, at), n), at, n) for at, n in run] for run in runs]
+    pool, futures, mine = _helper_pool(), [], [work[0]]
+    for part in work[1:]:
         if not _idle.acquire(blocking=False):
-            mine.append((r, l))
+            mine.append(part)
             continue
         try:
-            futures.append(pool.submit(_helped, pid, r, l))
+            futures.append(pool.submit(_helped, pid, part, on_piece))
         except RuntimeError:  # the pool is shut down (interpreter exit): this thread copies it
             _idle.release()
-            mine.append((r, l))
+            mine.append(part)
     try:
-        for r, l in mine:
-            _read(pid, r, l)
+        for part in mine:
+            _copy(pid, part, on_piece)
     finally:
         errors = [f.exception() for f in futures]  # every part ends before the caller reuses the memory
     for e in errors:

@@ -1,0 +1,252 @@
+"""Digests taken where the bytes land (easypyverbs `MR.track_writes`, soft provider: landing.py): the pieces
+a tracked WRITE is placed in, which WRITEs leave a block a digest and which drop it (a rewrite, a WRITE
+beginning inside a block, overlapping or failed WRITEs), WRITEs through both soft paths digested as the
+memory reads afterwards, and FedRDMA-E transfers verified from those digests (crc32c and xxh3), with bytes
+corrupted where they land still refused. In-process; "soft" is the same-host path, "soft-tcp" the wire."""
+from __future__ import annotations
+
+import os
+
+import crc32c
+import numpy as np
+import pytest
+import xxhash
+
+import easypyverbs as ev
+from easypyverbs.providers.soft import landing as L
+from fate_rdma.channel import Endpoint
+from fate_rdma.channel import checksum as C
+from fate_rdma.channel import fedrdma_e as fe
+from fate_rdma.errors import IntegrityError
+from fate_rdma.protocol.integrity import Integrity
+
+from .test_channel import cfg_for
+from .verbs_pair import close_pair, make_pair
+
+MiB = 1 << 20
+T = 10.0
+B = 64 << 10  # block size of the unit tests: several pieces per block with a small PIECE_BYTES
+
+
+class _Crc:
+    def __init__(self) -> None:
+        self.v = 0
+
+    def update(self, p) -> None:
+        self.v = crc32c.crc32c(p, self.v)
+
+    def digest(self) -> int:
+        return self.v
+
+
+def _tracked(size: int = 16 * B, origin: int = 100):
+    mem = bytearray(os.urandom(size))
+    return mem, L.WriteDigests(memoryview(mem), origin, B, lambda _b: _Crc())
+
+
+def _write(wd, mem, offset: int, data: bytes, ok: bool = True):
+    """What the soft responder does for one WRITE: place piece by piece, digest each, end."""
+    w = wd.begin(offset, len(data))
+    for at, n, _first in w.pieces():
+        mem[offset + at:offset + at + n] = data[at:at + n]
+        w.landed(at, n)
+    w.end(ok)
+
+
+def _crc_at(mem, origin: int, block: int, length: int) -> int:
+    start = origin + block * B
+    return crc32c.crc32c(bytes(mem[start:start + length]))
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(L, "PIECE_BYTES", 16 << 10)
+
+
+def test_pieces_cover_the_write_in_order_and_never_cross_a_block(small_pieces):
+    _mem, wd = _tracked(origin=100)
+    for offset, length in ((0, 5 * B + 7), (100, 2 * B), (100 + B // 2, 3 * B), (50, 60), (100 + 3 * B, 1)):
+        pieces = wd.begin(offset, length).pieces()
+        assert [p[0] for p in pieces] == [sum(p[1] for p in pieces[:i]) for i in range(len(pieces))]
+        assert sum(p[1] for p in pieces) == length
+        for at, n, first in pieces:
+            lo, hi = offset + at, offset + at + n
+            assert n <= L.PIECE_BYTES
+            if hi > 100:  # past the origin: within one block
+                assert lo >= 100 and (lo - 100) // B == (hi - 1 - 100) // B
+            assert first == (lo >= 100 and (lo - 100) % B == 0)
+
+
+def test_one_write_digests_every_block_it_begins_and_nothing_else(small_pieces):
+    mem, wd = _tracked(origin=100)
+    _write(wd, mem, 40, os.urandom(60 + 3 * B + 500))  # header area, blocks 0-2 whole, 500 bytes of block 3
+    for b in range(3):
+        assert wd.take(b, B) == _crc_at(mem, 100, b, B)
+    assert wd.take(3, 500) == _crc_at(mem, 100, 3, 500)
+    assert wd.take(3, B) is None  # covered only in part: the caller reads the rest itself
+    assert wd.take(4, B) is None
+    _write(wd, mem, 100 + 4 * B + 8, os.urandom(B))  # begins inside block 4
+    assert wd.take(4, B) is None and wd.take(4, B - 8) is None and wd.take(5, 8) == _crc_at(mem, 100, 5, 8)
+
+
+def test_a_rewrite_replaces_or_drops_the_digest(small_pieces):
+    mem, wd = _tracked(origin=0)
+    _write(wd, mem, 0, os.urandom(2 * B))
+    _write(wd, mem, B + 10, b"x" * 10)  # a later WRITE into block 1, not from its start
+    assert wd.take(0, B) == _crc_at(mem, 0, 0, B) and wd.take(1, B) is None
+    _write(wd, mem, B, os.urandom(B))  # block 1 written whole again
+    assert wd.take(1, B) == _crc_at(mem, 0, 1, B)
+    _write(wd, mem, 0, os.urandom(B), ok=False)  # a failed WRITE: what landed is unknown
+    assert wd.take(0, B) is None
+
+
+def test_overlapping_writes_leave_no_digest_in_either_order(small_pieces):
+    mem, wd = _tracked(origin=0)
+    for first_ends_first in (True, False):
+        a, b = wd.begin(0, B), wd.begin(0, B)
+        for w, fill in ((a, b"a"), (b, b"b")):
+            for at, n, _ in w.pieces():
+                mem[at:at + n] = fill * n
+                w.landed(at, n)
+        (a.end(True), b.end(True)) if first_ends_first else (b.end(True), a.end(True))
+        assert wd.take(0, B) is None
+    _write(wd, mem, 0, os.urandom(B))  # alone again: digested
+    assert wd.take(0, B) == _crc_at(mem, 0, 0, B)
+
+
+def test_a_closed_mr_digests_nothing_more(small_pieces):
+    mem, wd = _tracked(origin=0)
+    w = wd.begin(0, B)
+    wd.close()
+    for at, n, _ in w.pieces():
+        w.landed(at, n)
+    w.end(True)
+    assert wd.take(0, B) is None
+
+
+@pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
+def test_writes_through_the_soft_provider_are_digested_as_the_memory_reads(provider, small_pieces):
+    a, b = make_pair(provider, size=8 * B + 300)
+    try:
+        assert a.ctx.tracks_writes
+        wd = b.mr.track_writes(300, B, lambda _b: _Crc())
+        a.buf[:] = os.urandom(len(a.buf))
+        a.qp.post_write(a.mr.sge(0, 300 + 5 * B), b.mr.remote(), wr_id=1)  # header area + blocks 0-4
+        b.qp.post_recv([], wr_id=9)
+        a.qp.post_write_with_imm(a.mr.sge(300 + 5 * B, 3 * B), b.mr.remote(), imm=7, remote_offset=300 + 5 * B,
+                                 wr_id=2)
+        wcs = []
+        while len(wcs) < 2:
+            wcs += a.cq.wait(T)
+        assert all(wc.ok for wc in wcs)
+        b.cq.wait(T)
+        assert bytes(b.buf) == bytes(a.buf)
+        for blk in range(8):
+            assert wd.take(blk, B) == _crc_at(b.buf, 300, blk, B), blk
+    finally:
+        close_pair([a, b])
+
+
+def test_pyverbs_cannot_track_writes():
+    from easypyverbs.providers.pyverbs_provider import PyverbsContext  # importable without rdma-core's pyverbs
+
+    assert PyverbsContext.tracks_writes is False and ev.MR.track_writes(None, 0, 1, _Crc) is None  # type: ignore[arg-type]
+
+
+def _spy(monkeypatch):
+    seen = {"landed": 0, "read": 0}
+    real = fe.payload_digest_with
+
+    def spy(integrity, payload, known, landed):
+        for i, blk in enumerate(C._blocks([payload])):
+            n = sum(p.nbytes for p in blk)
+            seen["landed" if landed is not None and landed.take(i, n) is not None else "read"] += 1
+        return real(integrity, payload, known, landed)
+
+    monkeypatch.setattr(fe, "payload_digest_with", spy)
+    return seen
+
+
+@pytest.mark.parametrize("checksum", ["crc32c", "xxh3"])
+@pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
+def test_a_transfer_is_verified_from_the_digests_taken_where_it_landed(monkeypatch, provider, checksum):
+    seen = _spy(monkeypatch)
+    cfg = cfg_for("fedrdma-e", provider, slot_bytes=64 * MiB, checksum=checksum, chunk_bytes=4 * MiB,
+                  same_host_chunk_bytes=32 * MiB)
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        for n in (40 * MiB + 5, 3 * MiB, 12 * MiB):
+            data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            tx.send(rx.address, data).result(60)
+            msg = rx.recv(timeout=30)
+            assert bytes(msg.view) == data.tobytes()
+            msg.release()
+    blocks = sum(-(-n // (4 * MiB)) for n in (40 * MiB + 5, 3 * MiB, 12 * MiB))
+    assert seen["landed"] + seen["read"] == blocks
+    assert seen["read"] <= 3  # the last block of each (its tail and its short rest come in two WRITEs)
+    assert seen["landed"] >= blocks - 3
+
+
+def test_chunks_smaller_than_a_block_are_checked_from_memory_with_notes(monkeypatch):
+    """1 MiB chunks: no single WRITE places a block, so no block has a landing digest; the PLACED notes
+    start each block's checksum early instead, and the transfer is verified all the same."""
+    seen, started = _spy(monkeypatch), []
+    real = fe.block_checksums_async
+    monkeypatch.setattr(fe, "block_checksums_async", lambda *a: started.append(a[1]) or real(*a))
+    cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=64 * MiB, chunk_bytes=MiB)
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        data = np.random.default_rng(2).integers(0, 256, 40 * MiB, dtype=np.uint8)
+        tx.send(rx.address, data).result(60)
+        msg = rx.recv(timeout=30)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+    assert seen == {"landed": 0, "read": 10} and started
+
+
+def test_the_digest_helpers_agree_with_the_whole_payload_digest():
+    data = memoryview(np.random.default_rng(1).integers(0, 256, 9 * MiB + 3, dtype=np.uint8))
+    for kind in ("crc32c", "xxh3"):
+        integ, start = Integrity(kind), C.block_hasher(Integrity(kind))
+        landed = {}
+        for i, blk in enumerate(C._blocks([data])):
+            h = start(i)
+            for p in blk:
+                h.update(p)
+            landed[i] = (sum(p.nbytes for p in blk), h.digest())
+
+        class Landed:
+            def take(self, i, n):
+                return landed[i][1] if i != 1 and landed[i][0] == n else None  # block 1 read from memory
+
+        assert C.payload_digest_with(integ, data, {}, Landed()) == C.payload_digest(integ, [data])
+    assert C.block_hasher(Integrity("none")) is None
+    assert xxhash.xxh3_128(seed=0).digest() == C.block_hasher(Integrity("xxh3"))(0).digest()
+
+
+@pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
+def test_bytes_corrupted_where_they_land_are_refused(monkeypatch, provider):
+    """One byte flipped as a piece lands (before it is digested): the digest no longer matches the
+    sender's, the transfer fails as an integrity error, nothing reaches the application and the connection
+    stays usable."""
+    real, flipped = L.Landing.landed, []
+
+    def corrupt(self, at, n):
+        view = self.digests._view
+        if not flipped and view is not None and self.offset + at >= self.digests.origin and n > 1:
+            flipped.append(at)
+            view[self.offset + at] ^= 0xFF
+        return real(self, at, n)
+
+    monkeypatch.setattr(L.Landing, "landed", corrupt)
+    cfg = cfg_for("fedrdma-e", provider, slot_bytes=32 * MiB)
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        data = np.full(20 * MiB, 7, dtype=np.uint8)
+        with pytest.raises(IntegrityError, match="crc32c mismatch"):
+            tx.send(rx.address, data).result(60)
+        assert flipped
+        with pytest.raises(Exception):
+            rx.recv(timeout=0.5)
+        tx.send(rx.address, b"after").result(30)
+        assert bytes(rx.recv(timeout=30).detach()) == b"after"
