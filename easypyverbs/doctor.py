@@ -20,7 +20,7 @@ def report() -> Dict[str, Any]:
         "devices": [],
         "soft": {"available": True, "label": SOFT_LABEL, "emulated": True,
                  "link_model_env": os.environ.get("EASYPYVERBS_SOFT_LINK", ""),
-                 "same_host_path": _same_host()},
+                 "same_host_path": _same_host(), "write_digests": True},
     }
     for name in devices:
         try:
@@ -86,6 +86,8 @@ def render(rep: Dict[str, Any]) -> str:
                  f"{'on' if sh['on'] else 'off'} ({sh['why']}"
                  + (f"; copies of 2 MiB and more split over {sh['copy_threads']} threads" if sh.get("copy_threads", 1) > 1 else "")
                  + "); EASYPYVERBS_SOFT_SAME_HOST=off forces TCP")
+    lines.append("              WRITEs into tracked MRs digested as they land (MR.track_writes: fate-rdma's "
+                 "receive slots check crc32c/xxh3 with no second pass over all but the short last block)")
     lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
     return "\n".join(lines)
 

@@ -126,15 +126,18 @@ def test_a_closed_mr_digests_nothing_more(small_pieces):
 
 @pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
 def test_writes_through_the_soft_provider_are_digested_as_the_memory_reads(provider, small_pieces):
-    a, b = make_pair(provider, size=8 * B + 300)
+    """Blocks of 1 MiB: the same-host copy of the first WRITE (5 MiB) is split over the copy threads, each
+    taking whole blocks. A later WRITE into the middle of a digested block drops its digest."""
+    blk_bytes = 1 << 20
+    a, b = make_pair(provider, size=8 * blk_bytes + 300)
     try:
         assert a.ctx.tracks_writes
-        wd = b.mr.track_writes(300, B, lambda _b: _Crc())
+        wd = b.mr.track_writes(300, blk_bytes, lambda _b: _Crc())
         a.buf[:] = os.urandom(len(a.buf))
-        a.qp.post_write(a.mr.sge(0, 300 + 5 * B), b.mr.remote(), wr_id=1)  # header area + blocks 0-4
+        a.qp.post_write(a.mr.sge(0, 300 + 5 * blk_bytes), b.mr.remote(), wr_id=1)  # header area + blocks 0-4
         b.qp.post_recv([], wr_id=9)
-        a.qp.post_write_with_imm(a.mr.sge(300 + 5 * B, 3 * B), b.mr.remote(), imm=7, remote_offset=300 + 5 * B,
-                                 wr_id=2)
+        a.qp.post_write_with_imm(a.mr.sge(300 + 5 * blk_bytes, 3 * blk_bytes), b.mr.remote(), imm=7,
+                                 remote_offset=300 + 5 * blk_bytes, wr_id=2)
         wcs = []
         while len(wcs) < 2:
             wcs += a.cq.wait(T)
@@ -142,9 +145,54 @@ def test_writes_through_the_soft_provider_are_digested_as_the_memory_reads(provi
         b.cq.wait(T)
         assert bytes(b.buf) == bytes(a.buf)
         for blk in range(8):
-            assert wd.take(blk, B) == _crc_at(b.buf, 300, blk, B), blk
+            start = 300 + blk * blk_bytes
+            assert wd.take(blk, blk_bytes) == crc32c.crc32c(bytes(b.buf[start:start + blk_bytes])), blk
+        a.buf[:16] = b"rewritten bytes!"
+        a.qp.post_write(a.mr.sge(0, 16), b.mr.remote(), remote_offset=300 + 2 * blk_bytes + 4096, wr_id=3)
+        assert a.cq.wait(T)[0].ok
+        assert wd.take(2, blk_bytes) is None and wd.take(1, blk_bytes) is not None
     finally:
         close_pair([a, b])
+
+
+def test_tracking_starts_only_once_no_write_is_being_placed(monkeypatch):
+    from easypyverbs.providers.soft.context import SoftMR
+
+    monkeypatch.setattr(SoftMR, "_bound", lambda self: 0.2)
+    a, b = make_pair("soft-tcp", size=B)
+    try:
+        assert b.mr.begin_remote(0, 16) is not None  # a WRITE being placed (stalled)
+        with pytest.raises(ev.EasyVerbsError, match="still being placed"):
+            b.mr.track_writes(0, B, lambda _b: _Crc())
+        b.mr.end_remote()
+        assert b.mr.track_writes(0, B, lambda _b: _Crc()) is not None
+    finally:
+        close_pair([a, b])
+
+
+def test_a_slot_closed_with_a_write_still_landing_is_never_tracked_again(monkeypatch):
+    """A WRITE that outlives its MR's close (a peer stalling mid-WRITE past the bound) could still change
+    bytes of the next grant after they were digested: that slot is read from memory from then on."""
+    from easypyverbs.providers.soft.context import SoftMR
+    from fate_rdma.channel.handshake import PoolOffer
+    from fate_rdma.channel.slots import SlotMemory
+
+    monkeypatch.setattr(SoftMR, "_bound", lambda self: 0.2)
+    with ev.open_device(provider="soft") as ctx:
+        pd = ctx.alloc_pd()
+        slots = SlotMemory(pd, PoolOffer(2, 8 * MiB, 4096), 8 * MiB, pin=False, track=lambda _b: _Crc())
+        try:
+            assert all(d is not None for d in slots.landed)
+            stalled = slots.mrs[0]
+            assert stalled.begin_remote(0, 16) is not None
+            slots.revoke(0)  # gives up waiting after the bound
+            assert stalled.placing_after_close
+            slots.grant(0)
+            slots.grant(1)
+            assert slots.landed[0] is None and slots.landed[1] is not None
+            stalled.end_remote()
+        finally:
+            slots.close()
 
 
 def test_pyverbs_cannot_track_writes():
@@ -167,20 +215,25 @@ def _spy(monkeypatch):
     return seen
 
 
+def _send_and_check(cfg, sizes):
+    """Send payloads of `sizes` from one endpoint to another; each arrives intact."""
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        for n in sizes:
+            data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            tx.send(rx.address, data).result(60)
+            msg = rx.recv(timeout=30)
+            assert bytes(msg.view) == data.tobytes()
+            msg.release()
+
+
 @pytest.mark.parametrize("checksum", ["crc32c", "xxh3"])
 @pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
 def test_a_transfer_is_verified_from_the_digests_taken_where_it_landed(monkeypatch, provider, checksum):
     seen = _spy(monkeypatch)
     cfg = cfg_for("fedrdma-e", provider, slot_bytes=64 * MiB, checksum=checksum, chunk_bytes=4 * MiB,
                   same_host_chunk_bytes=32 * MiB)
-    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
-        rx.name = rx.address
-        for n in (40 * MiB + 5, 3 * MiB, 12 * MiB):
-            data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-            tx.send(rx.address, data).result(60)
-            msg = rx.recv(timeout=30)
-            assert bytes(msg.view) == data.tobytes()
-            msg.release()
+    _send_and_check(cfg, [40 * MiB + 5, 3 * MiB, 12 * MiB])
     blocks = sum(-(-n // (4 * MiB)) for n in (40 * MiB + 5, 3 * MiB, 12 * MiB))
     assert seen["landed"] + seen["read"] == blocks
     assert seen["read"] <= 3  # the last block of each (its tail and its short rest come in two WRITEs)
@@ -194,14 +247,28 @@ def test_chunks_smaller_than_a_block_are_checked_from_memory_with_notes(monkeypa
     real = fe.block_checksums_async
     monkeypatch.setattr(fe, "block_checksums_async", lambda *a: started.append(a[1]) or real(*a))
     cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=64 * MiB, chunk_bytes=MiB)
-    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
-        rx.name = rx.address
-        data = np.random.default_rng(2).integers(0, 256, 40 * MiB, dtype=np.uint8)
-        tx.send(rx.address, data).result(60)
-        msg = rx.recv(timeout=30)
-        assert bytes(msg.view) == data.tobytes()
-        msg.release()
+    _send_and_check(cfg, [40 * MiB])
     assert seen == {"landed": 0, "read": 10} and started
+
+
+def test_a_failing_hasher_leaves_its_block_to_be_read_from_memory(monkeypatch):
+    from fate_rdma.channel import connection
+
+    class Flaky(C._Crc):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def update(self, piece):
+            if self.block == 1:
+                raise RuntimeError("hasher fault")
+            super().update(piece)
+
+    monkeypatch.setattr(connection, "block_hasher", lambda integrity: Flaky)
+    seen = _spy(monkeypatch)
+    cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=32 * MiB, chunk_bytes=4 * MiB)
+    _send_and_check(cfg, [16 * MiB])
+    assert seen["landed"] >= 2 and seen["read"] >= 1
 
 
 def test_the_digest_helpers_agree_with_the_whole_payload_digest():
@@ -226,9 +293,10 @@ def test_the_digest_helpers_agree_with_the_whole_payload_digest():
 
 @pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
 def test_bytes_corrupted_where_they_land_are_refused(monkeypatch, provider):
-    """One byte flipped as a piece lands (before it is digested): the digest no longer matches the
-    sender's, the transfer fails as an integrity error, nothing reaches the application and the connection
-    stays usable."""
+    """One byte flipped as a piece lands (before it is digested, as a faulty placement would): the digest
+    no longer matches the sender's, the transfer fails as an integrity error, nothing reaches the
+    application and the connection stays usable. (Bytes changed after their digest are the rewrite cases
+    above: the digest is dropped, and the block is read from memory.)"""
     real, flipped = L.Landing.landed, []
 
     def corrupt(self, at, n):

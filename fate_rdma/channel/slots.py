@@ -16,7 +16,7 @@ import ctypes
 import functools
 import mmap
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 import numpy as np
 
@@ -72,6 +72,7 @@ class SlotMemory:
         self._pd, self.offer, self.pin, self.track = pd, offer, pin, track
         #: each slot's digests of the blocks its current grant's WRITEs placed (MR.track_writes), or None
         self.landed: List[Optional[Any]] = []
+        self._untracked: Set[int] = set()
         self.initial_payload_bytes = min(initial_payload_bytes, offer.slot_payload_bytes)
         self._maps: List[mmap.mmap] = []
         self._arrs: List[np.ndarray] = []
@@ -118,8 +119,15 @@ class SlotMemory:
         if self.pin and n > faulted_bytes:
             zero_fill(self._arrs[slot][faulted_bytes:n])  # fresh pages are zeros already: this only faults them in
         mr = self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY)
-        if self.track is not None:  # before the rkey is granted: every WRITE under it is seen
-            self.landed[slot] = mr.track_writes(self.offer.offset_in_slot(0), BLOCK_BYTES, self.track)
+        # before the rkey is granted: every WRITE under it is seen; never again for a slot whose MR was
+        # closed with a WRITE still being placed (that WRITE may change bytes after they are digested)
+        self.landed[slot] = None
+        if self.track is not None and slot not in self._untracked:
+            try:
+                self.landed[slot] = mr.track_writes(self.offer.offset_in_slot(0), BLOCK_BYTES, self.track)
+            except BaseException:
+                mr.close()
+                raise
         return mr
 
     def revoke(self, slot: int) -> None:
@@ -127,6 +135,8 @@ class SlotMemory:
         mr, self.mrs[slot] = self.mrs[slot], None
         if mr is not None:
             mr.close()
+            if getattr(mr, "placing_after_close", False):
+                self._untracked.add(slot)
 
     def grant(self, slot: int) -> int:
         """Register the slot anew as it is; returns the new rkey."""

@@ -221,10 +221,22 @@ class SoftMR(MR):
         self._placing = 0
         self._revoked = False
         self.landing: Optional[WriteDigests] = None
+        #: closed while a WRITE was still being placed (past the bound): that WRITE may still change the
+        #: memory, so no later registration of it should trust digests taken as bytes land
+        self.placing_after_close = False
 
     def track_writes(self, origin: int, block_bytes: int, start: Callable[[int], Any]) -> Optional[WriteDigests]:
-        self.landing = WriteDigests(self.view(), origin, block_bytes, start)
+        """Tracking starts once no WRITE is being placed (one that began before it is not digested; its
+        bytes are read from memory, or overwritten whole by a tracked WRITE), within the close bound."""
+        with self._remote:
+            if not self._remote.wait_for(lambda: self._placing == 0, timeout=self._bound()):
+                raise EasyVerbsError(f"soft MR rkey {self.rkey:#x}: a remote WRITE is still being placed; "
+                                     f"cannot start tracking WRITEs")
+            self.landing = WriteDigests(self.view(), origin, block_bytes, start)
         return self.landing
+
+    def _bound(self) -> float:
+        return getattr(self.pd.ctx, "retry_timeout_s", 30.0) + 5.0
 
     def begin_remote(self, offset: int, length: int) -> Optional[memoryview]:
         """The view a remote WRITE may fill now, or None if the MR is being or has been deregistered;
@@ -243,10 +255,11 @@ class SoftMR(MR):
 
     def _close_impl(self) -> None:
         self.pd.ctx.remove_mr(self)  # type: ignore[attr-defined]
-        bound = getattr(self.pd.ctx, "retry_timeout_s", 30.0) + 5.0
+        bound = self._bound()
         with self._remote:
             self._revoked = True
             if not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
+                self.placing_after_close = True
                 log.error("soft MR rkey %#x closed while a remote WRITE into it was still being placed after %.0f s",
                           self.rkey, bound)
         if self.landing is not None:

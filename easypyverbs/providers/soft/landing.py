@@ -13,8 +13,11 @@ begins. Once the MR is closed (every WRITE placed, no more can land), the digest
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+log = logging.getLogger("easypyverbs.soft")
 
 #: placed and digested at a time: within a core's L2 here (1 MiB per core on the 2-core test machine)
 PIECE_BYTES = 512 << 10
@@ -58,15 +61,17 @@ class WriteDigests:
         with self._lock:
             for b in w.blocks:
                 self._active[b] -= 1
+            for b in w.blocks:
                 h = w.hashers.get(b)
-                fed = w.fed.get(b, 0)
                 start = self.origin + b * self.block_bytes
                 covered = min(w.offset + w.length, start + self.block_bytes) - start
-                if ok and h is not None and fed == covered and self._epoch[b] == w.alone.get(b) \
+                self._digests.pop(b, None)
+                if ok and h is not None and w.fed.get(b, 0) == covered and self._epoch[b] == w.alone.get(b) \
                         and not self._active[b]:
-                    self._digests[b] = (covered, h.digest())
-                else:
-                    self._digests.pop(b, None)
+                    try:
+                        self._digests[b] = (covered, h.digest())
+                    except Exception:  # a hasher that fails leaves the block to be read from memory
+                        log.exception("digest of block %d failed; it will be read from memory", b)
 
     def take(self, block: int, length: int) -> Optional[Any]:
         """The digest of `length` bytes from block `block`'s start, if one WRITE placed exactly those alone."""
@@ -113,12 +118,19 @@ class Landing:
         if pos < d.origin or view is None:
             return
         b = (pos - d.origin) // d.block_bytes
-        h = self.hashers.get(b)
-        if h is None:
-            if pos != d.origin + b * d.block_bytes:
-                return  # the WRITE began inside this block: no digest for it
-            h = self.hashers[b] = d.start(b)
-        h.update(view[pos:pos + nbytes])
+        if self.fed.get(b) == -1:
+            return  # its hasher failed
+        try:
+            h = self.hashers.get(b)
+            if h is None:
+                if pos != d.origin + b * d.block_bytes:
+                    return  # the WRITE began inside this block: no digest for it
+                h = self.hashers[b] = d.start(b)
+            h.update(view[pos:pos + nbytes])
+        except Exception:  # the block is read from memory instead; placing goes on
+            log.exception("digest of block %d failed; it will be read from memory", b)
+            self.fed[b] = -1
+            return
         self.fed[b] = self.fed.get(b, 0) + nbytes
 
     def end(self, ok: bool) -> None:

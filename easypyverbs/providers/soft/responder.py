@@ -7,6 +7,7 @@ from the requester's memory, samehost.py), and answers ACK/NAK, delayed by the l
 """
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from typing import Any, List, Optional
@@ -25,6 +26,7 @@ from .link import DelayLine
 #: window of fedrdma on a 100 Mbit/s x 20 ms testbed link before this bound)
 ACK_EVERY_BYTES = 1 << 20
 PSN_MASK = 0xFFFFFF
+log = logging.getLogger("easypyverbs.soft")
 _OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
 
 
@@ -88,6 +90,10 @@ class Responder:
                 return
             except UsageError as exc:  # a posted receive's MR was deregistered
                 self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
+                return
+            except Exception as exc:  # a fault of this NIC: the QP fails, naming it, rather than going deaf
+                log.exception("soft QP %d responder failed", self.qpn)  # type: ignore[attr-defined]
+                self._enter_error(WCStatus.WR_FLUSH_ERR, f"responder failed: {type(exc).__name__}: {exc}")
                 return
 
     def _read_spans(self, rd: wire.Reader, length: int) -> Optional[List[Any]]:
