@@ -16,10 +16,9 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import crc32c
-import xxhash
 
 from ..errors import ConfigError
-from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_leaf, xxh_leaves
+from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -96,7 +95,7 @@ def block_hasher(integrity: Integrity) -> Optional[Callable[[int], Any]]:
     if integrity.kind == "crc32c":
         return lambda _block: _Crc()
     if integrity.kind == "xxh3":
-        return lambda block: xxhash.xxh3_128(seed=block)
+        return xxh_hasher
     return None
 
 

@@ -94,9 +94,14 @@ def leaves(key: bytes, views: Sequence[memoryview], map_: Callable = map) -> byt
     return b"".join(map_(lambda ib: leaf(key, ib[0], ib[0] == last, ib[1]), enumerate(bs)))
 
 
+def xxh_hasher(index: int) -> Any:
+    """The hasher (`update`, `digest`) of block `index`'s XXH3-128 leaf: seeded with its index."""
+    return xxhash.xxh3_128(seed=index)
+
+
 def xxh_leaf(index: int, pieces: Sequence[memoryview]) -> bytes:
-    """The XXH3-128 digest of block `index` (seeded with its index)."""
-    h = xxhash.xxh3_128(seed=index)
+    """The XXH3-128 digest of block `index` (xxh_hasher)."""
+    h = xxh_hasher(index)
     for p in pieces:
         h.update(p)
     return h.digest()
