@@ -62,10 +62,11 @@ class ChannelConfig:
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s
     link_rate_bps: Optional[float] = None
     #: what this endpoint requires of every transfer it receives (and sends with; both sides must agree):
-    #: "crc32c" end to end (hardware-accelerated, against accidents), "xxh3" an XXH3-128 tag (against
-    #: accidents as crc32c, half its CPU, 128 bits), "blake2b" a keyed BLAKE2b MAC of the
-    #: payload, metadata and header fields (against a man in the middle; needs secret_file), or "none"
-    checksum: str = "crc32c"
+    #: "xxh3" an XXH3-128 tag end to end (the default: against accidents, 128 bits, half crc32c's CPU),
+    #: "crc32c" (32 bits, hardware-accelerated; earlier fate-rdma's default: parties that differ are
+    #: refused at connect, naming both), "blake2b" a keyed BLAKE2b MAC of the payload, metadata
+    #: and header fields (against a man in the middle; needs secret_file), or "none"
+    checksum: str = "xxh3"
     #: FedRDMA-E receive slots per peer, and the largest payload one slot takes: a slot grows to it on
     #: demand (the sender asks before its first WRITE; the receiver reserves from memory_budget_bytes)
     pool_slots: int = 2

@@ -173,15 +173,19 @@ def test_corrupted_transfer_is_detected(pair, monkeypatch):
         def crc32c(data, value=0):
             return (crc32c.crc32c(data, value) + 1) & 0xFFFFFFFF
 
-    real_async = conn_mod.payload_checksum_async
+    real_async, real_digest = conn_mod.payload_checksum_async, staged_mod.payload_digest
+
+    def flip(digest):  # crc32c: an int; xxh3 (the default), blake2b: bytes
+        return digest ^ 0x5A5A if isinstance(digest, int) else bytes([digest[0] ^ 1]) + digest[1:]
 
     def bad_async(views, *rest):
         f = real_async(views, *rest)
         out = concurrent.futures.Future()
-        f.add_done_callback(lambda g: out.set_result(g.result() ^ 0x5A5A))
+        f.add_done_callback(lambda g: out.set_result(flip(g.result())))
         return out
 
     monkeypatch.setattr(staged_mod, "crc32c", Corrupting)
+    monkeypatch.setattr(staged_mod, "payload_digest", lambda *a: flip(real_digest(*a)))
     monkeypatch.setattr(conn_mod, "payload_checksum_async", bad_async)
     fut = ep.send(peer.address, os.urandom(3 * CHUNK))
     with pytest.raises(E.IntegrityError, match="refused"):

@@ -18,7 +18,7 @@ from fate_rdma.channel import Endpoint
 from fate_rdma.channel import checksum as C
 from fate_rdma.channel import fedrdma_e as fe
 from fate_rdma.errors import IntegrityError
-from fate_rdma.protocol.integrity import Integrity
+from fate_rdma.protocol.integrity import BLOCKWISE, Integrity
 
 from .test_channel import cfg_for
 from .verbs_pair import close_pair, make_pair
@@ -266,7 +266,7 @@ def test_a_failing_hasher_leaves_its_block_to_be_read_from_memory(monkeypatch):
 
     monkeypatch.setattr(connection, "block_hasher", lambda integrity: Flaky)
     seen = _spy(monkeypatch)
-    cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=32 * MiB, chunk_bytes=4 * MiB)
+    cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=32 * MiB, chunk_bytes=4 * MiB, checksum="crc32c")  # (a _Crc)
     _send_and_check(cfg, [16 * MiB])
     assert seen["landed"] >= 2 and seen["read"] >= 1
 
@@ -292,7 +292,8 @@ def test_the_digest_helpers_agree_with_the_whole_payload_digest():
 
 
 @pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
-def test_bytes_corrupted_where_they_land_are_refused(monkeypatch, provider):
+@pytest.mark.parametrize("checksum", BLOCKWISE)
+def test_bytes_corrupted_where_they_land_are_refused(monkeypatch, provider, checksum):
     """One byte flipped as a piece lands (before it is digested, as a faulty placement would): the digest
     no longer matches the sender's, the transfer fails as an integrity error, nothing reaches the
     application and the connection stays usable. (Bytes changed after their digest are the rewrite cases
@@ -307,11 +308,11 @@ def test_bytes_corrupted_where_they_land_are_refused(monkeypatch, provider):
         return real(self, at, n)
 
     monkeypatch.setattr(L.Landing, "landed", corrupt)
-    cfg = cfg_for("fedrdma-e", provider, slot_bytes=32 * MiB)
+    cfg = cfg_for("fedrdma-e", provider, slot_bytes=32 * MiB, checksum=checksum)
     with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
         rx.name = rx.address
         data = np.full(20 * MiB, 7, dtype=np.uint8)
-        with pytest.raises(IntegrityError, match="crc32c mismatch"):
+        with pytest.raises(IntegrityError, match=f"{checksum} mismatch"):
             tx.send(rx.address, data).result(60)
         assert flipped
         with pytest.raises(Exception):

@@ -1,5 +1,5 @@
 """PLACED notes: a FedRDMA-E sender tells a receiver that asked for them (hello `placed_notes`) from which
-offset its payload is placed, and the receiver checksums those blocks (crc32c) while the rest arrives,
+offset its payload is placed, and the receiver digests those blocks (crc32c, xxh3) while the rest arrives,
 so that only the last chunks are left to verify when the header comes. The machine's watermark, the
 hello field, a transfer that uses the notes (and still catches bytes corrupted on the way), no notes
 to a peer that did not ask or under another checksum, none to a same-host peer where its copy keeps
@@ -20,6 +20,7 @@ from fate_rdma.channel import Endpoint
 from fate_rdma.channel import fedrdma_e as fe
 from fate_rdma.channel.handshake import Hello
 from fate_rdma.errors import IntegrityError
+from fate_rdma.protocol.integrity import BLOCKWISE
 from fate_rdma.protocol.frames import CtrlKind
 
 from .test_channel import cfg_for, wait_for
@@ -76,7 +77,7 @@ def _spy(monkeypatch):
         return on_placed(self, c)
 
     def checked(integrity, payload, known, landed):
-        if integrity.kind == "crc32c":
+        if integrity.kind in BLOCKWISE:
             seen["known"].append(sorted(known))
         return verify(integrity, payload, known, landed)
 
@@ -85,9 +86,10 @@ def _spy(monkeypatch):
     return seen
 
 
-def test_a_transfer_is_verified_from_blocks_checksummed_before_its_header(monkeypatch):
+@pytest.mark.parametrize("checksum", BLOCKWISE)
+def test_a_transfer_is_verified_from_blocks_checksummed_before_its_header(monkeypatch, checksum):
     seen = _spy(monkeypatch)
-    rx, tx = _pair()
+    rx, tx = _pair(checksum=checksum)
     with rx, tx:
         data = np.random.default_rng(3).integers(0, 256, 24 * MiB + 5, dtype=np.uint8)
         info = tx.send(rx.address, data).result(60)
@@ -103,22 +105,23 @@ def test_a_transfer_is_verified_from_blocks_checksummed_before_its_header(monkey
     assert known == list(range(-(-start // (4 * MiB)), blocks)) and known
 
 
-def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch):
+@pytest.mark.parametrize("checksum", BLOCKWISE)
+def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch, checksum):
     """Corruption on the way (here: one byte of the slot flipped just before the receiver checksums the
     noted blocks) fails the transfer as an integrity error; nothing reaches the application."""
     start_blocks, flipped = fe.block_checksums_async, []
 
-    def corrupt_then_checksum(payload, first, known, landed=None):
+    def corrupt_then_checksum(payload, first, known, landed=None, kind="crc32c"):
         if not flipped:
             flipped.append(first)
             payload[-1] ^= 0xFF
-        return start_blocks(payload, first, known, landed)
+        return start_blocks(payload, first, known, landed, kind)
 
     monkeypatch.setattr(fe, "block_checksums_async", corrupt_then_checksum)
-    rx, tx = _pair()
+    rx, tx = _pair(checksum=checksum)
     with rx, tx:
         data = np.full(24 * MiB, 7, dtype=np.uint8)
-        with pytest.raises(IntegrityError, match="crc32c mismatch"):
+        with pytest.raises(IntegrityError, match=f"{checksum} mismatch"):
             tx.send(rx.address, data).result(60)
         assert flipped, "no PLACED note arrived"
         with pytest.raises(Exception):
@@ -127,7 +130,7 @@ def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch):
         assert bytes(rx.recv(timeout=30).detach()) == b"after"
 
 
-@pytest.mark.parametrize("checksum", ["none", "xxh3"])
+@pytest.mark.parametrize("checksum", ["none"])
 def test_no_notes_under_another_checksum(monkeypatch, checksum):
     seen = _spy(monkeypatch)
     rx, tx = _pair(checksum=checksum)
@@ -176,7 +179,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
         wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
         (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
         started = []
-        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known, landed=None: started.append(first))
+        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known, landed=None, kind="": started.append(first))
         for tid in (1000, 1001, 1002):
             conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, tid, (0 << 48) | 4096, 0))
         wait_for(lambda: len(seen["notes"]) == 3, 10, "three notes at the receiver")

@@ -70,9 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of methods (default all; mooncake and mooncake_batch need the mooncake extra: "
                         "pip install 'fate-rdma[mooncake]', and say so where it is missing)")
     p.add_argument("--windows", default="1,auto", help="windows to measure for fedrdma/fedrdma-e (default 1,auto)")
-    p.add_argument("--checksum", default="crc32c", choices=["crc32c", "xxh3", "blake2b", "none"],
-                   help="end-to-end checksum (default crc32c; xxh3: an XXH3-128 tag, against accidents as crc32c at half "
-                        "its CPU; blake2b: the keyed MAC, with a fresh secret for the two endpoints)")
+    p.add_argument("--checksum", default=ChannelConfig.checksum, choices=["crc32c", "xxh3", "blake2b", "none"],
+                   help=f"end-to-end checksum (default {ChannelConfig.checksum}, the channel's: an XXH3-128 tag against "
+                        "accidents; crc32c: 32 bits at twice xxh3's CPU; blake2b: the keyed MAC, with a fresh secret "
+                        "for the two endpoints; none: nothing, as raw TCP checks nothing end to end)")
     p.add_argument("--provider", default="soft", help="verbs provider on loopback (default soft; link scenarios are soft)")
     p.add_argument("--puts", default="",
                    help="comma list of copy, overlap: each fedrdma-e row once more as a buffered put makes it (what "

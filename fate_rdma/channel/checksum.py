@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
+from ..protocol.integrity import BLOCKWISE, Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
 from .auth import Identity, mac_keys
 
 CRC32C = Integrity("crc32c")
@@ -61,15 +61,26 @@ def _combine(crcs: List[int]) -> int:
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 
-def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any] = None) -> None:
-    """Start the crc32c of every block of `payload` from block `first` on that `known` (block index ->
-    future) lacks and `landed` (digests taken where the blocks landed, payload_digest_with) has none for,
-    on the block pool: the receiver's share of payload_checksum for bytes a PLACED note says are placed,
-    computed while the rest arrives."""
+def _block_digest_fn(kind: str) -> Callable[[int, List[memoryview]], Any]:
+    """(block index, the block's pieces) -> that block's digest, for a BLOCKWISE checksum."""
+    if kind == "crc32c":
+        return lambda _i, pieces: _crc_pieces(pieces)
+    if kind == "xxh3":
+        return xxh_leaf
+    raise ValueError(f"checksum {kind!r} has no block-wise digests (only {', '.join(BLOCKWISE)})")
+
+
+def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any] = None,
+                          kind: str = "crc32c") -> None:
+    """Start the digest (crc32c or xxh3, `kind`) of every block of `payload` from block `first` on that
+    `known` (block index -> future) lacks and `landed` (digests taken where the blocks landed,
+    payload_digest_with) has none for, on the block pool: the receiver's share of payload_digest for bytes
+    a PLACED note says are placed, computed while the rest arrives."""
+    fn = _block_digest_fn(kind)
     blocks = _blocks([payload])
     for b in range(first, len(blocks)):
         if b not in known and (landed is None or landed.take(b, sum(p.nbytes for p in blocks[b])) is None):
-            known[b] = _pool("block").submit(_crc_pieces, blocks[b])
+            known[b] = _pool("block").submit(fn, b, blocks[b])
 
 
 class _Crc:
@@ -113,11 +124,10 @@ def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[i
         elif i in known:
             got[i] = known[i].result()
     todo = [i for i in range(len(blocks)) if i not in got]
-    if integrity.kind == "crc32c":
-        got.update(zip(todo, _pool("block").map(_crc_pieces, [blocks[i] for i in todo])))
-        return _combine([got[i] for i in range(len(blocks))])
-    got.update(zip(todo, _pool("block").map(lambda i: xxh_leaf(i, blocks[i]), todo)))
-    return b"".join(got[i] for i in range(len(blocks)))
+    fn = _block_digest_fn(integrity.kind)
+    got.update(zip(todo, _pool("block").map(lambda i: fn(i, blocks[i]), todo)))
+    ordered = [got[i] for i in range(len(blocks))]
+    return _combine(ordered) if integrity.kind == "crc32c" else b"".join(ordered)
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:

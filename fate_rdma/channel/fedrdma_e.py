@@ -4,7 +4,7 @@ Sending: chunks n-1 .. 1 to their final offsets in the slot the SlotRing gives u
 [HEADER|meta] as WRITE_WITH_IMM(imm = slot << 16 | seq) on QP 0. The header carries the whole
 payload's checksum, computed on a worker while the first chunks are on the wire. When every WRITE
 has completed the transfer is PLACED; the receiver's DONE (sent after its own checksum) makes it
-DONE, an ERROR fails it. To a receiver that asked for them (crc32c), PLACED notes on the way say from
+DONE, an ERROR fails it. To a receiver that asked for them (crc32c, xxh3), PLACED notes on the way say from
 which offset the payload is placed; the receiver checksums those blocks before the header arrives.
 Receiving: the WRITE_WITH_IMM says a slot is complete: verify, answer DONE, hand out a view of the
 slot; releasing it sends the slot's CREDIT back.
@@ -29,7 +29,7 @@ import easypyverbs as ev
 from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
-from ..protocol.integrity import BLOCK_BYTES
+from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE
 from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
 from .checksum import block_checksums_async, payload_checksum_async, payload_digest, payload_digest_with
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fate_rdma.channel")
 
-#: PLACED notes (crc32c only): for payloads of at least this many bytes, one note per this many bytes of newly
+#: PLACED notes (crc32c, xxh3): for payloads of at least this many bytes, one note per this many bytes of newly
 #: placed whole checksum blocks
 PLACED_NOTE_MIN_BYTES = 2 * BLOCK_BYTES
 PLACED_NOTE_EVERY_BYTES = 16 << 20
@@ -131,7 +131,7 @@ class SlotSender:
         m: P.FedRdmaESender = o.machine
         m.on_write_complete(seq, time.monotonic())
         o.fut._progress(m.done_bytes)
-        if self.notes and o.integrity.kind == "crc32c" and o.payload.total >= PLACED_NOTE_MIN_BYTES \
+        if self.notes and o.integrity.kind in BLOCKWISE and o.payload.total >= PLACED_NOTE_MIN_BYTES \
                 and not m.header_posted:
             self._note_placed(o, m)
         if m.state is P.fedrdma.SendState.DONE:  # the receiver's DONE overtook this completion
@@ -216,12 +216,12 @@ class SlotReceiver:
         self._written: Dict[int, int] = {}  # slot -> bytes its last transfer announced (header to payload end)
         self._lent: Set[int] = set()  # slots whose payload the application holds in place (Message.detach)
         self._lent_lock = threading.Lock()
-        #: slot -> (transfer id, payload bytes, {block: crc32c future}) started on the sender's PLACED notes
+        #: slot -> (transfer id, payload bytes, {block: digest future}) started on the sender's PLACED notes
         self._early: Dict[int, Tuple[int, int, Dict[int, Any]]] = {}
 
     def on_placed(self, c: P.Ctrl) -> None:
         """The sender's PLACED note: payload bytes `c.aux` .. end of transfer `c.transfer_id` are in slot
-        `c.value >> 48`; start their block checksums (crc32c). Every field is checked against the slot's
+        `c.value >> 48`; start their block digests (crc32c, xxh3). Every field is checked against the slot's
         grant first; a note for a transfer already seen (its header overtook it) is dropped, and so is one
         for another transfer than the first noted under the slot's grant: a peer gets no more checksum work
         out of notes than its transfers would cost (each block once per grant). The checksum proves what
@@ -230,7 +230,7 @@ class SlotReceiver:
         if slot >= self.machine.nslots or total > self.pool.capacity[slot] or start > total:
             raise RemoteProtocolError(f"{self.conn.peer}: PLACED note for slot {slot} ({start} of {total} bytes) does "
                                       f"not fit this side's pool")
-        if not self.machine.verify_crc or self.machine.integrity.kind != "crc32c" or self.machine.seen(tid) \
+        if not self.machine.verify_crc or self.machine.integrity.kind not in BLOCKWISE or self.machine.seen(tid) \
                 or slot in self.machine.held:
             return
         early = self._early.setdefault(slot, (tid, total, {}))
@@ -239,7 +239,7 @@ class SlotReceiver:
         base = self.offer.offset_in_slot(0)
         # (blocks digested where they landed need no second pass: the soft provider's, MR.track_writes)
         block_checksums_async(self.conn.mem.slot_view(slot)[base:base + total], -(-start // BLOCK_BYTES), early[2],
-                              self.conn.mem.slots.landed[slot])
+                              self.conn.mem.slots.landed[slot], self.machine.integrity.kind)
 
     def on_write_imm(self, imm: int) -> None:
         conn = self.conn
@@ -269,12 +269,14 @@ class SlotReceiver:
         payload = view[msg.payload_offset:msg.payload_offset + h.total]
         integrity = self.machine.integrity
         try:
-            if integrity.kind == "crc32c":
+            if integrity.kind in BLOCKWISE:
                 early = self._early.pop(slot, None)
                 known = early[2] if early is not None and early[:2] == (h.transfer_id, h.total) else {}
-                self.machine.verify(msg, crc32c.crc32c(meta), payload_digest_with(integrity, payload, known, landed))
-            elif integrity.kind == "xxh3":
-                self.machine.verify_tag(msg, bytes(meta), payload_digest_with(integrity, payload, {}, landed))
+                digest = payload_digest_with(integrity, payload, known, landed)
+                if integrity.kind == "crc32c":
+                    self.machine.verify(msg, crc32c.crc32c(meta), digest)
+                else:
+                    self.machine.verify_tag(msg, bytes(meta), digest)
             elif integrity.kind == "blake2b":
                 self.machine.verify_tag(msg, bytes(meta), payload_digest(integrity, [payload]))
         except IntegrityError as exc:

@@ -41,7 +41,7 @@ import easypyverbs as ev
 
 from ..errors import ConfigError, RemoteProtocolError
 from ..protocol.frames import HEADER, MAX_META
-from ..protocol.integrity import KINDS as CHECKSUMS
+from ..protocol.integrity import BLOCKWISE, KINDS as CHECKSUMS
 from ..protocol.policy import one_host, qps_offer
 
 VERSION = 1
@@ -218,7 +218,7 @@ def negotiate(boot: ev.BootstrapConn, cfg: Any, name: str, terms: Optional[Mappi
                if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
     offer_qps = qps_offer(cfg.qps_per_peer, one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link)
     peer = exchange_hello(boot, Hello(name, offer_qps, pool, staging, cfg.checksum, terms,
-                                      placed_notes=pool is not None and cfg.checksum == "crc32c"), cfg.connect_timeout_s)
+                                      placed_notes=pool is not None and cfg.checksum in BLOCKWISE), cfg.connect_timeout_s)
     if peer.name != proven:
         raise RemoteProtocolError(f"peer authenticated as {proven!r} names itself {peer.name!r} in its hello")
     agree_checksum(cfg.checksum, peer)

@@ -49,6 +49,9 @@ from ..errors import LocalProtocolError, RemoteProtocolError
 from .frames import HEADER_FIELDS_BYTES, TAG_BYTES, Header, encode_header
 
 KINDS = ("crc32c", "xxh3", "blake2b", "none")
+#: the checksums made of independent per-block digests, which a receiver can take one by one ahead of the
+#: header (PLACED notes) or where the bytes land (MR.track_writes); blake2b marks its last leaf
+BLOCKWISE = ("crc32c", "xxh3")
 #: the parallel block: large enough that a block's hashing outweighs handing it to a thread
 BLOCK_BYTES = 4 << 20
 LEAF_BYTES = 32
