@@ -13,7 +13,7 @@ import concurrent.futures
 import os
 import struct
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import crc32c
 
@@ -39,6 +39,20 @@ def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
         return pool
 
 
+#: a payload at most this large is digested in the thread that sends it: a pool's hand-offs cost more
+#: than hashing it (1 MiB: about 0.04 ms of XXH3, 0.07 ms of crc32c here)
+INLINE_DIGEST_BYTES = 1 << 20
+
+
+def _map(fn: Callable[[Any], Any], items: Iterable[Any]) -> List[Any]:
+    """[fn(x) for x in items]: on the block pool when there are several, else in this thread (one block
+    gains nothing from a worker but the hand-offs)."""
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    return list(_pool("block").map(fn, items))
+
+
 def _crc_pieces(pieces: List[memoryview]) -> int:
     crc = 0
     for p in pieces:
@@ -48,12 +62,7 @@ def _crc_pieces(pieces: List[memoryview]) -> int:
 
 def payload_checksum(views: Sequence[memoryview]) -> int:
     """crc32c of the per-block crc32c list; independent of how the payload is split into buffers."""
-    blocks = _blocks(views)
-    if len(blocks) <= 1:
-        crcs = [_crc_pieces(b) for b in blocks]
-    else:
-        crcs = list(_pool("block").map(_crc_pieces, blocks))
-    return _combine(crcs)
+    return _combine(_map(_crc_pieces, _blocks(views)))
 
 
 def _combine(crcs: List[int]) -> int:
@@ -125,14 +134,14 @@ def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[i
             got[i] = known[i].result()
     todo = [i for i in range(len(blocks)) if i not in got]
     fn = _block_digest_fn(integrity.kind)
-    got.update(zip(todo, _pool("block").map(lambda i: fn(i, blocks[i]), todo)))
+    got.update(zip(todo, _map(lambda i: fn(i, blocks[i]), todo)))
     ordered = [got[i] for i in range(len(blocks))]
     return _combine(ordered) if integrity.kind == "crc32c" else b"".join(ordered)
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
     """The keyed BLAKE2b leaf digests of the payload's blocks (integrity.leaves), in parallel."""
-    return leaves(key, views, _pool("block").map)
+    return leaves(key, views, _map)
 
 
 def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
@@ -140,7 +149,7 @@ def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
     if integrity.kind == "crc32c":
         return payload_checksum(views)
     if integrity.kind == "xxh3":
-        return xxh_leaves(views, _pool("block").map)
+        return xxh_leaves(views, _map)
     return payload_leaves(views, integrity.key) if integrity.kind == "blake2b" else None
 
 
@@ -162,11 +171,19 @@ def _from_blocks(kind: str, digests: Dict[int, Any]) -> Digest:
 
 def payload_checksum_async(views: Sequence[memoryview], integrity: Optional[Integrity] = None,
                            fill: Any = None) -> "concurrent.futures.Future[Digest]":
-    """payload_digest on a worker thread (the sender overlaps it with the first chunks on the wire); of a
+    """payload_digest on a worker thread (the sender overlaps it with the first chunks on the wire; a
+    payload of at most INLINE_DIGEST_BYTES in this thread, at once); of a
     payload still being copied in (`fill`, transfer.Fill), once every byte is final, from the digests the
     copier took of each block where it took them for this checksum. If the copy fails the future stays
     pending: the transfer fails on the copy's error instead."""
     integrity = integrity or CRC32C
+    if fill is None and sum(v.nbytes for v in views) <= INLINE_DIGEST_BYTES:
+        done: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
+        try:
+            done.set_result(payload_digest(integrity, list(views)))
+        except Exception as exc:  # as the pool's future would carry it
+            done.set_exception(exc)
+        return done
     if fill is None:
         return _pool("payload").submit(payload_digest, integrity, list(views))
     out: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
