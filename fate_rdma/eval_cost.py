@@ -15,7 +15,8 @@ transfer (fate-rdma: before its endpoint existed), less what the method must hol
 it allocates one, fedrdma-e's registered receive slots; for Mooncake, above its registered, touched
 destination buffer. CPU seconds: user + system of every thread of each process over the transfer.
 
-What is verified: fedrdma/fedrdma-e check crc32c end to end (the channel's own); Mooncake: crc32c of
+What is verified: fedrdma/fedrdma-e check the channel's own end-to-end checksum (its default, named in
+each row: xxh3 since 2026-11-26, crc32c before); Mooncake: crc32c of
 the receiver's buffer against the payload (Mooncake checks nothing); raw TCP and gRPC: byte counts.
 
 The paper's own Table 4 (a real 10 Gbit/s RDMA NIC, 20 ms RTT) is printed beside, labelled as the
@@ -142,7 +143,7 @@ def run_cost(plan: Plan, out_root: Path, log: Callable[[str], None] = print, com
                     cfg = ChannelConfig(mode=mode, window="auto", slot_bytes=plan.nbytes, provider="soft",
                                         transfer_timeout_s=3600, no_progress_timeout_s=120, same_host=path == "same-host")
                     add(mode, path, "soft (emulated verbs, not RDMA)", transfer._channel(peer, data, cfg, plan.reps),
-                        "crc32c end to end")
+                        f"{cfg.checksum} end to end")
         add("mooncake sync", "tcp", "Mooncake TE TCP transport",
             _mooncake(plan.nbytes, transfer.PAYLOAD_SEED, crc32c.crc32c(data), plan.reps), "crc32c of the buffer")
     finally:
