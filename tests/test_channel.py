@@ -161,12 +161,24 @@ def test_too_large_falls_back_to_fedrdma_when_configured(provider):
 
 
 def test_corrupted_transfer_is_detected(pair, monkeypatch):
+    _corrupted_transfer_is_detected(*pair, monkeypatch)  # the default checksum (xxh3)
+
+
+def test_corrupted_transfer_is_detected_under_crc32c(mode, provider, monkeypatch):
+    cfg = cfg_for(mode, provider, checksum="crc32c")
+    peer = Peer(cfg)
+    try:
+        with Endpoint(cfg) as ep:
+            _corrupted_transfer_is_detected(ep, peer, monkeypatch)
+    finally:
+        peer.close()
+
+
+def _corrupted_transfer_is_detected(ep, peer, monkeypatch):
     import concurrent.futures
 
     import fate_rdma.channel.connection as conn_mod
     import fate_rdma.channel.fedrdma as staged_mod
-
-    ep, peer = pair
 
     class Corrupting:  # the sender computes wrong checksums: as if bytes changed on the way
         @staticmethod

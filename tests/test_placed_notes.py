@@ -17,6 +17,7 @@ import pytest
 from easypyverbs.providers.soft.context import SoftContext
 from fate_rdma import protocol as P
 from fate_rdma.channel import Endpoint
+from fate_rdma.channel.auth import write_secret
 from fate_rdma.channel import fedrdma_e as fe
 from fate_rdma.channel.handshake import Hello
 from fate_rdma.errors import IntegrityError
@@ -130,10 +131,14 @@ def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch, checksum):
         assert bytes(rx.recv(timeout=30).detach()) == b"after"
 
 
-@pytest.mark.parametrize("checksum", ["none"])
-def test_no_notes_under_another_checksum(monkeypatch, checksum):
+@pytest.mark.parametrize("checksum", ["none", "blake2b"])
+def test_no_notes_under_another_checksum(monkeypatch, tmp_path, checksum):
     seen = _spy(monkeypatch)
-    rx, tx = _pair(checksum=checksum)
+    secret = None
+    if checksum == "blake2b":  # keyed from the connection's session key: endpoints that prove a secret
+        secret = str(tmp_path / "secret")
+        write_secret(secret)
+    rx, tx = _pair(checksum=checksum, secret_file=secret)
     with rx, tx:
         assert tx.connect(rx.address).slot_sender.notes is False  # the receiver did not ask for them
         data = np.ones(16 * MiB, dtype=np.uint8)

@@ -79,8 +79,8 @@ def _block_digest_fn(kind: str) -> Callable[[int, List[memoryview]], Any]:
     raise ValueError(f"checksum {kind!r} has no block-wise digests (only {', '.join(BLOCKWISE)})")
 
 
-def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any] = None,
-                          kind: str = "crc32c") -> None:
+def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any],
+                          kind: str) -> None:
     """Start the digest (crc32c or xxh3, `kind`) of every block of `payload` from block `first` on that
     `known` (block index -> future) lacks and `landed` (digests taken where the blocks landed,
     payload_digest_with) has none for, on the block pool: the receiver's share of payload_digest for bytes

@@ -3,8 +3,8 @@ small descriptor travels through FATE's own federation under the same name and t
 ordering, blocking `get`, duplicate-name checks and errors therefore stay FATE's own.
 
 Descriptor (through FATE): DESC_MAGIC + JSON {"id", "length", "crc32c", "src", "endpoint", "session", "frame"}.
-"crc32c" is null when the channel's own end-to-end checksum already covers the bytes (checksum: crc32c,
-the default, xxh3 or blake2b), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
+"crc32c" is null when the channel's own end-to-end checksum already covers the bytes (checksum: xxh3,
+the default, crc32c or blake2b), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
 FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic cannot be mistaken.
 
 With `descriptors: channel` the descriptor's fields ride in the transfer's own metadata instead, every
