@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,11 @@ import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Optional
 
+from fate_rdma.bench.fate_federation import free_ports
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # below the ephemeral range: not taken by an outgoing connection before it is bound
 
 
 class FlowServer:

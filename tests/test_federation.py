@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,15 +20,14 @@ from fate_rdma import errors as E  # noqa: E402
 from fate_rdma.federation import activate  # noqa: E402
 from fate_rdma.federation import wrapper as wrapper_mod  # noqa: E402
 from fate_rdma.federation.wrapper import DESC_MAGIC  # noqa: E402
+from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUEST, HOST = ("guest", "9999"), ("host", "10000")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # below the ephemeral range: not taken by an outgoing connection before it is bound
 
 
 def section(endpoints, **kw):

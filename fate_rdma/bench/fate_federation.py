@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -97,15 +98,44 @@ def fitting_scale(per_byte: float, budget: int) -> float:
     return max(0.05, min(1.0, int(budget / full * 20) / 20))
 
 
+#: where free_ports looks first: below the kernel's ephemeral range (ip_local_port_range), from here up
+FIXED_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_ports(n: int) -> List[int]:
-    """`n` distinct free TCP ports on 127.0.0.1 (all held while choosing, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """`n` distinct free TCP ports on 127.0.0.1 (all held while choosing, so none repeats), below the
+    kernel's ephemeral range where there is room: a port is bound some time after it is chosen (by
+    another process: a party, a broker), and one from the ephemeral range could be taken meanwhile by
+    any outgoing connection of this machine (a CI run failed so, EADDRINUSE at a party's endpoint)."""
+    low, rng = _ephemeral_low(), random.SystemRandom()
+    socks: List[socket.socket] = []
+    try:
+        for attempt in range(50 * n + 100):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            # past the tries (a crowded range): any free port the kernel gives
+            port = rng.randrange(FIXED_PORTS_FROM, low) if low - FIXED_PORTS_FROM > 4 * n and attempt < 50 * n else 0
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        if len(socks) < n:
+            raise OSError(f"no {n} free TCP ports on 127.0.0.1")
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def local_endpoints() -> Dict[str, str]:
