@@ -63,8 +63,8 @@ class ChannelConfig:
     link_rate_bps: Optional[float] = None
     #: what this endpoint requires of every transfer it receives (and sends with; both sides must agree):
     #: "xxh3" an XXH3-128 tag end to end (the default: against accidents, 128 bits, half crc32c's CPU),
-    #: "crc32c" (32 bits, hardware-accelerated; earlier fate-rdma's default: parties that differ are
-    #: refused at connect, naming both), "blake2b" a keyed BLAKE2b MAC of the payload, metadata
+    #: "crc32c" (32 bits, hardware-accelerated; earlier fate-rdma's default: parties that differ do not
+    #: connect, see the README's "Integrity" for upgrading), "blake2b" a keyed BLAKE2b MAC of the payload, metadata
     #: and header fields (against a man in the middle; needs secret_file), or "none"
     checksum: str = "xxh3"
     #: FedRDMA-E receive slots per peer, and the largest payload one slot takes: a slot grows to it on

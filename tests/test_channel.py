@@ -378,10 +378,11 @@ def test_concurrent_checksums_never_wait_on_each_other():
     import concurrent.futures
 
     from fate_rdma.channel.checksum import payload_checksum, payload_checksum_async
+    from fate_rdma.protocol.integrity import Integrity
 
     data = memoryview(np.random.default_rng(1).integers(0, 256, 16 << 20, dtype=np.uint8)).cast("B")
     expect = payload_checksum([data])
-    futs = [payload_checksum_async([data]) for _ in range(8)]
+    futs = [payload_checksum_async([data], Integrity("crc32c")) for _ in range(8)]
     done, pending = concurrent.futures.wait(futs, timeout=60)
     assert not pending, "checksums deadlocked on their own pool"
     assert {f.result() for f in done} == {expect}

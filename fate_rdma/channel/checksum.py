@@ -21,7 +21,6 @@ from ..errors import ConfigError
 from ..protocol.integrity import BLOCKWISE, Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
 from .auth import Identity, mac_keys
 
-CRC32C = Integrity("crc32c")
 _POOLS: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -135,8 +134,7 @@ def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[i
     todo = [i for i in range(len(blocks)) if i not in got]
     fn = _block_digest_fn(integrity.kind)
     got.update(zip(todo, _map(lambda i: fn(i, blocks[i]), todo)))
-    ordered = [got[i] for i in range(len(blocks))]
-    return _combine(ordered) if integrity.kind == "crc32c" else b"".join(ordered)
+    return _from_blocks(integrity.kind, got)
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
@@ -156,27 +154,25 @@ def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
 def block_digest(kind: str) -> Optional[Tuple[str, Callable[[int, memoryview], Any]]]:
     """(kind, the digest of block i of a payload) for a checksum whose blocks one copy can serve to every
     peer (crc32c, xxh3: unkeyed), else None (blake2b is keyed per connection; none has no blocks)."""
-    if kind == "crc32c":
-        return kind, lambda _i, block: crc32c.crc32c(block)
-    if kind == "xxh3":
-        return kind, lambda i, block: xxh_leaf(i, [block])
-    return None
+    if kind not in BLOCKWISE:
+        return None
+    fn = _block_digest_fn(kind)
+    return kind, lambda i, block: fn(i, [block])
 
 
 def _from_blocks(kind: str, digests: Dict[int, Any]) -> Digest:
-    """A payload's digest from all of its blocks' digests (block_digest)."""
+    """A payload's digest from all of its blocks' digests (block_digest, _block_digest_fn), in order."""
     ordered = [digests[i] for i in range(len(digests))]
     return _combine(ordered) if kind == "crc32c" else b"".join(ordered)
 
 
-def payload_checksum_async(views: Sequence[memoryview], integrity: Optional[Integrity] = None,
+def payload_checksum_async(views: Sequence[memoryview], integrity: Integrity,
                            fill: Any = None) -> "concurrent.futures.Future[Digest]":
     """payload_digest on a worker thread (the sender overlaps it with the first chunks on the wire; a
     payload of at most INLINE_DIGEST_BYTES in this thread, at once); of a
     payload still being copied in (`fill`, transfer.Fill), once every byte is final, from the digests the
     copier took of each block where it took them for this checksum. If the copy fails the future stays
     pending: the transfer fails on the copy's error instead."""
-    integrity = integrity or CRC32C
     if fill is None and sum(v.nbytes for v in views) <= INLINE_DIGEST_BYTES:
         done: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
         try:
