@@ -191,12 +191,28 @@ def send_buffers(sock: Any, bufs: Sequence[memoryview]) -> None:
         return
     pending: List[memoryview] = [b for b in bufs if b.nbytes]
     while pending:
-        sent = sock.sendmsg(pending[:512])
-        while sent:
-            head = pending[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[sent:]
-                sent = 0
+        pending = _unsent(pending, sock.sendmsg(pending[:512]))
+
+
+def send_without_waiting(sock: socket.socket, bufs: Sequence[memoryview]) -> List[memoryview]:
+    """One vectored write that never waits for room in the socket's buffer (a plain socket only);
+    returns what it did not take, in order, for a blocking `send_buffers` to finish."""
+    pending: List[memoryview] = [b for b in bufs if b.nbytes]
+    if len(pending) > 512:
+        return pending
+    try:
+        return _unsent(pending, sock.sendmsg(pending, [], socket.MSG_DONTWAIT))
+    except (BlockingIOError, InterruptedError):
+        return pending
+
+
+def _unsent(pending: List[memoryview], sent: int) -> List[memoryview]:
+    while sent:
+        head = pending[0]
+        if sent >= head.nbytes:
+            sent -= head.nbytes
+            pending.pop(0)
+        else:
+            pending[0] = head[sent:]
+            sent = 0
+    return pending
