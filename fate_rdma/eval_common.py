@@ -31,6 +31,28 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
+def code() -> str:
+    """Which fate-rdma made the figures: its version, the git commit of the checkout it runs from (and
+    whether that has uncommitted changes), and the channel's default checksum (which every study uses)."""
+    from . import __version__
+    from .config import ChannelConfig
+
+    root = Path(__file__).resolve().parent.parent
+    commit = "not a git checkout"
+    if (root / ".git").exists():
+        import subprocess
+
+        try:
+            sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            commit = f"commit {sha}" + (" with uncommitted changes" if dirty else "") if sha else commit
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"fate-rdma {__version__} ({commit}); the channel's checksum: {ChannelConfig().checksum} (the default)"
+
+
 def size(n: Optional[int]) -> str:
     if n is None:
         return "-"
@@ -122,7 +144,8 @@ def header(title: str, command: str, lines: Sequence[str]) -> List[str]:
     """The lines every table.md starts with: the command, machine, load, then the study's own."""
     return [f"# {title}", "", f"- command: `{command}`" if command else "- command: (library call)",
             f"- machine: {machine()}; load average at the end {loadavg()}",
-            f"- date (UTC): {time.strftime('%Y-%m-%d %H:%M', time.gmtime())}", *[f"- {x}" for x in lines], ""]
+            f"- date (UTC): {time.strftime('%Y-%m-%d %H:%M', time.gmtime())}", f"- code: {code()}",
+            *[f"- {x}" for x in lines], ""]
 
 
 def md_table(columns: Sequence[str], cells: Sequence[Sequence[Any]]) -> List[str]:

@@ -54,6 +54,7 @@ class Plan:
     modes: Tuple[str, ...] = ("fedrdma-e", "fedrdma")
     measure_s: float = 2.0
     links_given: bool = False   # --links: every study on these; otherwise each study's own defaults
+    tcp_cc: Optional[str] = None  # the sites' TCP congestion control (None: the host's default)
 
 
 # The paper's link, 10 Gbit/s x 20 ms, has a BDP of 25 MB; 100 Mbit/s x 20 ms has 250 KB. The rate is
@@ -132,9 +133,10 @@ def run_eval(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: floa
             by_link.setdefault(lk, []).append(s)
     first = next(iter(by_link))
     try:
-        with secret_file() as secret, testbed(_testbed(first, prefix), plan.measure_s, log) as bed:
+        with secret_file() as secret, testbed(_testbed(first, prefix, plan.tcp_cc), plan.measure_s, log) as bed:
             for lk, studies in by_link.items():
-                measured = bed.shape(_testbed(lk, prefix)) if lk != first else measured_link(bed.measured)
+                measured = (bed.shape(_testbed(lk, prefix, plan.tcp_cc)) if lk != first
+                            else measured_link(bed.measured))
                 for study in studies:
                     for t, chunk in cases(plan, study):
                         res = run(bed.tb, t, plan.nbytes, chunk, plan.reps, timeout_s, secret, rate_mbit=lk[0])
@@ -149,9 +151,9 @@ def run_eval(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: floa
     return out
 
 
-def _testbed(link: Link, prefix: str) -> wan.Testbed:
+def _testbed(link: Link, prefix: str, tcp_cc: Optional[str] = None) -> wan.Testbed:
     spec = wan.LinkSpec(rate_bps=int(link[0] * 1e6), delay_ms=link[1] / 2, loss_pct=link[2])
-    return wan.Testbed(links=(spec, spec), prefix=prefix)
+    return wan.Testbed(links=(spec, spec), prefix=prefix, tcp_cc=tcp_cc)
 
 
 def _log_row(row: Dict[str, Any], log: Callable[[str], None]) -> None:
@@ -220,8 +222,7 @@ def _link_table(study: str, rs: List[Dict[str, Any]]) -> List[str]:
             one = next((r for r in ok if r["qps_per_peer"] == 1), None)
             out += [f"Best: qps_per_peer={best['qps_per_peer']} ({best['median_bps'] / 1e6:.1f} Mbit/s" +
                     (f", {best['median_bps'] / one['median_bps']:.2f} x one QP" if one else "") +
-                    f"); TCP congestion control in the sites: {m.get('tcp_cc') or '?'} (the host's; a namespace "
-                    "here cannot change it).", ""]
+                    f"); TCP congestion control in the sites: {m.get('tcp_cc') or '?'}.", ""]
     return out
 
 

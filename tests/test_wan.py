@@ -238,6 +238,11 @@ def test_eval_link_quick(can_build: None, prefix: str, tmp_path: Path, capsys: p
     assert "| fedrdma-e auto | soft (emulated verbs over TCP, not RDMA) | 64 KiB | 1.05 |" in table
     assert "cannot be reproduced on 2 cores" in table and "Best window for fedrdma-e: **2**" in table
     assert "Best: qps_per_peer=2" in table and "## study: link-enable" in table
+    from fate_rdma import __version__
+    from fate_rdma.config import ChannelConfig
+    code = next(line for line in table.splitlines() if line.startswith("- code: "))
+    assert f"fate-rdma {__version__} (" in code and f"checksum: {ChannelConfig().checksum} (the default)" in code
+    assert ("commit " in code) == (Path(__file__).resolve().parent.parent / ".git").exists()
     for study in ("chunks", "qps", "link_enable", "window"):
         _png(run / f"link_{study}.png")
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
@@ -401,3 +406,19 @@ def _children() -> list:
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+def test_eval_link_takes_tcp_cc() -> None:
+    """`eval link --tcp-cc` reaches every testbed the study builds (each link's)."""
+    import argparse
+
+    from fate_rdma import wan_eval
+    from fate_rdma.cli import eval as eval_cli
+
+    p = argparse.ArgumentParser()
+    eval_cli.add_arguments(p)
+    _, plan, _ = eval_cli._plan(p.parse_args(["link", "--study", "qps", "--tcp-cc", "cubic"]))
+    assert plan.tcp_cc == "cubic"
+    assert wan_eval._testbed((100.0, 80.0, 1.0), "frx", plan.tcp_cc).tcp_cc == "cubic"
+    _, plan, _ = eval_cli._plan(p.parse_args(["link", "--study", "qps"]))
+    assert plan.tcp_cc is None  # the host's default

@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="windows of the window study (default 1,2,4,8,16,32,auto; quick 1,4,16,auto)")
     l.add_argument("--modes", default=None, help="channel modes of the qps/link-enable/window studies "
                                                  "(default fedrdma-e,fedrdma; quick fedrdma-e)")
+    _tcp_cc(l, "fate-rdma's soft provider and the TCP baselines run over it; how several QPs compare with one "
+               "on a lossy link depends on it")
     _common(l, "64 MiB; quick 8 MiB", "5; quick 2")
     s = sub.add_parser("stress", help="FedComm's stresses: loss 0/0.1/1/5 %% and a CPU stress; nothing lost or corrupted",
                        formatter_class=fmt, description=_doc("eval_stress"))
@@ -70,9 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f = sub.add_parser("fairness", help="3 clients send to one arbiter at once: per-client times, slowest vs fastest",
                        formatter_class=fmt, description=_doc("eval_fairness"))
     _one_link(f, "the arbiter's link rate", "round trip client <-> arbiter", "fedrdma-e chunk", " per client")
-    f.add_argument("--tcp-cc", default=None, metavar="NAME",
-                   help="TCP congestion control in the sites (e.g. cubic, bbr; default: the host's). fate-rdma's "
-                        "soft provider and the TCP baseline both run over it, and fairness depends on it")
+    _tcp_cc(f, "fate-rdma's soft provider and the TCP baseline both run over it, and fairness depends on it")
     _common(f, "32 MiB per client; quick 4 MiB", "3; quick 1")
     e = sub.add_parser("fate", help="FATE's own path (OSX engine) beside fate-rdma: FedAvg rounds, three sites",
                        formatter_class=fmt, description=_doc("eval_fate"))
@@ -126,6 +126,11 @@ def _one_link(p: argparse.ArgumentParser, rate: str, rtt: str, chunk: str, per: 
     p.add_argument("--chunk-bytes", type=int, default=256 * 1024, help=chunk)
 
 
+def _tcp_cc(p: argparse.ArgumentParser, why: str) -> None:
+    p.add_argument("--tcp-cc", default=None, metavar="NAME",
+                   help=f"TCP congestion control in the sites (e.g. cubic, bbr; default: the host's). {why}")
+
+
 def _common(p: argparse.ArgumentParser, bytes_default: str, reps_default: str) -> None:
     p.add_argument("--bytes", type=int, default=None, help=f"payload per transfer (default {bytes_default})")
     p.add_argument("--reps", type=int, default=None, help=f"timed repetitions per figure (default {reps_default})")
@@ -172,7 +177,7 @@ def _plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
                     chunks=tuple(int(x) for x in _csv(args.chunks)) if args.chunks else base.chunks,
                     nbytes=args.bytes or base.nbytes, reps=args.reps or base.reps, studies=studies, qps=qps,
                     windows=windows, le_windows=windows if args.windows else base.le_windows, modes=modes,
-                    measure_s=base.measure_s, links_given=bool(args.links))
+                    measure_s=base.measure_s, links_given=bool(args.links), tcp_cc=args.tcp_cc)
         if min(plan.chunks) < 4096:
             raise ValueError("chunks must be at least 4096 bytes")
         from ..wan_eval import run_eval

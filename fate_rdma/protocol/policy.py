@@ -105,9 +105,12 @@ LONG_PATH_RTT_S = 0.010
 
 def auto_qps(rtt_s: float, available: int) -> int:
     """QPs to stripe chunks over under qps_per_peer "auto": one on a short path (loopback, one site:
-    extra streams only add threads), all `available` on a long one, where one congested stream's
-    recovery from a loss stalls the whole transfer and several streams do not (eval link --study qps:
-    100 Mbit/s x 80 ms, 1 % loss: 1 / 2 / 4 QPs 29 / 43 / 48 Mbit/s)."""
+    extra streams only add threads), all `available` on a long one. What this buys is fairness between
+    clients that share a link (eval fairness, 50 Mbit/s x 20 ms, bbr: a median gap of 6.8 % with four
+    against 16.5 % with one, 2026-11-26), for 2-3 % less aggregate rate. It no longer buys throughput
+    on a lossy long link: with the 6-BDP automatic window one QP was the fastest there (eval link
+    --study qps, 100 Mbit/s x 80 ms, 1 % loss, bbr: 1 / 2 / 4 QPs 85 / 73 / 63 Mbit/s, 2026-11-26;
+    29 / 43 / 48 with the old one-BDP window, 2026-11-23)."""
     return max(1, available) if rtt_s >= LONG_PATH_RTT_S else 1
 
 
