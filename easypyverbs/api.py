@@ -242,6 +242,11 @@ class CQ(Resource):
             pause = min(0.002, pause * 2 or 0.00002)
 
 
+
+def _check_imm(imm: Optional[int]) -> None:
+    if imm is not None and not 0 <= imm < 1 << 32:
+        raise UsageError(f"imm must fit 32 bits, got {imm}")
+
 class QP(Resource):
     """A reliable-connected queue pair (`ibv_qp`, IBV_QPT_RC)."""
 
@@ -307,6 +312,7 @@ class QP(Resource):
         self._ready()
         lst = self._sges(sges, self.cap.max_send_sge)
         self._check_len(sum(s.length for s in lst))
+        _check_imm(imm)
         self._post("send", lst, None, 0, imm, wr_id, signaled)
 
     def post_write(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True) -> None:
@@ -328,8 +334,7 @@ class QP(Resource):
         lst = self._sges(sges, self.cap.max_send_sge)
         total = sum(s.length for s in lst)
         self._check_len(total)
-        if imm is not None and not 0 <= imm < 1 << 32:
-            raise UsageError(f"imm must fit 32 bits, got {imm}")
+        _check_imm(imm)
         if remote_offset < 0 or remote_offset + total > remote.length:
             raise UsageError(
                 f"remote range [{remote_offset}, {remote_offset + total}) outside the remote MR of {remote.length} bytes"

@@ -51,9 +51,11 @@ class ChannelConfig:
     #: queue pairs per peer, chunks striped across them (several NIC ports or paths where present; the
     #: soft provider opens one TCP stream per QP). "auto": up to AUTO_QPS_MAX are set up, and once the
     #: RTT probe has measured the path, 1 is used below LONG_PATH_RTT_S and all of them above it: on a
-    #: long lossy path several streams beat one congested stream (`fate-rdma eval link --study qps`),
-    #: and three clients sending to one arbiter at once finish within 10 % of each other where one
-    #: stream each did not (`fate-rdma eval fairness`). To a peer on this host (policy.one_host) without
+    #: long path three clients sending to one arbiter at once finish within 10 % of each other where one
+    #: stream each did not (`fate-rdma eval fairness`). It does not speed up one transfer: on a lossy
+    #: long link under bbr one QP was faster than four since the automatic window keeps 6 BDP
+    #: (`fate-rdma eval link --study qps`, docs/RESULTS.md section 2); set 1 where clients do not share
+    #: a link. To a peer on this host (policy.one_host) without
     #: a link model, auto sets up one QP: there is no path to stripe over (with four set up, a same-host
     #: FATE round took 0.41 s against 0.25 s, cause not traced). The default; a number is taken as set
     qps_per_peer: Union[int, str] = "auto"

@@ -42,6 +42,7 @@ def code() -> str:
     if (root / ".git").exists():
         import subprocess
 
+        commit = "commit unknown: git did not answer"
         try:
             sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True, timeout=10).stdout.strip()

@@ -107,14 +107,15 @@ def test_bad_wr_in_a_batch_fails_the_qp_and_flushes_the_rest():
     a, b = make_pair("soft-tcp", size=1 << 16, cap=ev.QPCap(max_send_wr=64, max_recv_wr=16))
     try:
         other = a.pd.reg_mr(bytearray(4096), ev.Access.LOCAL_WRITE)
-        with a.qp._cv:  # the sender thread cannot take any WR until all are posted (the first few leave
-            # from this thread, by the doorbell, before WR 3's MR closes)
-            for i in range(6):
-                sge = other.sge(0, 512) if i == 3 else a.mr.sge(i * 512, 512)
+        first = qpmod.DOORBELL_INFLIGHT  # WRs before it leave from this thread, by the doorbell
+        bad, n = first + 1, first + 4  # the send thread's batch is [first, bad, ...]: the bad WR in its middle
+        with a.qp._cv:  # the sender thread cannot take any WR until all are posted
+            for i in range(n):
+                sge = other.sge(0, 512) if i == bad else a.mr.sge(i * 512, 512)
                 a.qp.post_write(sge, b.mr.remote(), remote_offset=i * 512, wr_id=i)
             other.close()
-        wcs = a.cq.wait_n(6, 20)
-        assert sorted(wc.wr_id for wc in wcs) == list(range(6))
+        wcs = a.cq.wait_n(n, 20)
+        assert sorted(wc.wr_id for wc in wcs) == list(range(n))
         assert any(wc.status == ev.WCStatus.LOC_PROT_ERR for wc in wcs)
         assert a.qp.state == ev.QPState.ERR
     finally:
@@ -193,6 +194,7 @@ def test_a_lone_small_write_leaves_from_the_posting_thread(monkeypatch):
         a.qp.post_write(a.mr.sge(0, 512 << 10), b.mr.remote(), wr_id=2)  # larger than INLINE_SEND_BYTES
         assert a.cq.wait_n(1, 10)[0].ok and len(calls) == 1
         with a.qp._cv:  # nothing is answered while we hold the lock: the first WRs fill the doorbell's room
+            assert a.qp._cv.wait_for(lambda: not a.qp._tx_busy, 10)  # (the send thread may not have let go yet)
             for i in range(20):
                 a.qp.post_write(a.mr.sge(i * 1024, 1024), b.mr.remote(), remote_offset=i * 1024, wr_id=10 + i)
         wcs = a.cq.wait_n(20, 10)
@@ -254,5 +256,19 @@ def test_writes_posted_from_several_threads_all_land():
         for wc in wcs:
             by_thread.setdefault(wc.wr_id >> 16, []).append(wc.wr_id & 0xFFFF)
         assert all(v == sorted(v) for v in by_thread.values())
+    finally:
+        close_pair([a, b])
+
+
+def test_an_imm_that_does_not_fit_is_refused_at_post():
+    """post_send with an imm outside 32 bits is a UsageError at the call, and the QP goes on working
+    (it was once written to the wire header by whichever thread sent it)."""
+    a, b = make_pair("soft-tcp", size=1 << 16, cap=ev.QPCap(max_send_wr=16, max_recv_wr=16))
+    try:
+        for imm in (1 << 32, -1):
+            with pytest.raises(ev.UsageError, match="imm must fit 32 bits"):
+                a.qp.post_send(a.mr.sge(0, 64), wr_id=1, imm=imm)
+        a.qp.post_write(a.mr.sge(0, 64), b.mr.remote(), wr_id=2)
+        assert a.cq.wait_n(1, 10)[0].ok and a.qp.state == ev.QPState.RTS
     finally:
         close_pair([a, b])

@@ -242,7 +242,8 @@ def test_eval_link_quick(can_build: None, prefix: str, tmp_path: Path, capsys: p
     from fate_rdma.config import ChannelConfig
     code = next(line for line in table.splitlines() if line.startswith("- code: "))
     assert f"fate-rdma {__version__} (" in code and f"checksum: {ChannelConfig().checksum} (the default)" in code
-    assert ("commit " in code) == (Path(__file__).resolve().parent.parent / ".git").exists()
+    import fate_rdma
+    assert ("commit " in code) == (Path(fate_rdma.__file__).resolve().parents[1] / ".git").exists(), code
     for study in ("chunks", "qps", "link_enable", "window"):
         _png(run / f"link_{study}.png")
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
@@ -408,8 +409,8 @@ def _children() -> list:
     return found
 
 
-def test_eval_link_takes_tcp_cc() -> None:
-    """`eval link --tcp-cc` reaches every testbed the study builds (each link's)."""
+def test_eval_link_takes_tcp_cc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`eval link --tcp-cc` reaches the plan and the testbed run_eval builds (the host's default without it)."""
     import argparse
 
     from fate_rdma import wan_eval
@@ -419,6 +420,19 @@ def test_eval_link_takes_tcp_cc() -> None:
     eval_cli.add_arguments(p)
     _, plan, _ = eval_cli._plan(p.parse_args(["link", "--study", "qps", "--tcp-cc", "cubic"]))
     assert plan.tcp_cc == "cubic"
-    assert wan_eval._testbed((100.0, 80.0, 1.0), "frx", plan.tcp_cc).tcp_cc == "cubic"
-    _, plan, _ = eval_cli._plan(p.parse_args(["link", "--study", "qps"]))
-    assert plan.tcp_cc is None  # the host's default
+    _, default, _ = eval_cli._plan(p.parse_args(["link", "--study", "qps"]))
+    assert default.tcp_cc is None  # the host's default
+
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def testbed(tb, *a, **k):  # the testbed run_eval asks for; nothing is built
+        built.append(tb)
+        raise Stop
+
+    monkeypatch.setattr(wan_eval, "testbed", testbed)
+    with pytest.raises(Stop):
+        wan_eval.run_eval(plan, tmp_path, prefix="frx")
+    assert [tb.tcp_cc for tb in built] == ["cubic"]

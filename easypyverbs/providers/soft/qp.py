@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from typing import Any, Deque, List, Optional, Tuple
@@ -181,7 +182,7 @@ class SoftQP(Responder, QP):
             # a small WR posted to a requester that is not streaming (nothing queued or being written, at
             # most DOORBELL_INFLIGHT - 1 WRs awaiting their answer) leaves from this thread, as if the
             # doorbell rang the wire: one thread hand-off less for a lone message (a control frame, a
-            # small payload), about a sixth of a small transfer's round trip on 2 busy cores. A stream
+            # small payload), about a sixth of a small transfer's round trip on this 2-core machine. A stream
             # of WRs still goes through the send thread, which batches them into few writes. Never
             # under a link model (each WR is paced) or TLS (a TLSStream takes no partial write).
             sock = self._req_sock
@@ -201,14 +202,15 @@ class SoftQP(Responder, QP):
             rest = wire.send_without_waiting(sock, bufs) if bufs else []
         except OSError as exc:
             rest, broken, status = [], f"send to peer failed: {exc}", WCStatus.RETRY_EXC_ERR
+        if broken is not None:  # nothing more goes on this QP (`_tx_busy` stays taken): it errors
+            self._fail(status, broken)
+            return
         with self._cv:
             if rest:  # the socket's buffer was full: the send thread writes the rest before any other WR
                 self._tail = rest
             else:
                 self._tx_busy = False
             self._cv.notify_all()
-        if broken is not None:
-            self._fail(status, broken)
 
     def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
         with self._cv:
@@ -243,8 +245,11 @@ class SoftQP(Responder, QP):
                 views = [memoryview(wire.PULL_COUNT.pack(len(spans))
                                     + b"".join(wire.PULL_SPAN.pack(*sp) for sp in spans))]
             free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
-            bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr,
-                                                 wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))
+            try:
+                bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length,
+                                                     wr.raddr, wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))
+            except struct.error as exc:  # a remote address or rkey that no wire header can carry
+                return bufs, f"wr {wr.wr_id}: a field does not fit the request header: {exc}", free_at
             bufs.extend(views)
         return bufs, None, free_at
 
@@ -258,8 +263,8 @@ class SoftQP(Responder, QP):
                 while (self._tail is None and (not self._send_q or self._tx_busy)
                        and self._st == QPState.RTS and not self._closing):
                     self._cv.wait()
-                if self._st != QPState.RTS or (self._tail is None and not self._send_q):
-                    return
+                if self._st != QPState.RTS or (self._tail is None and (not self._send_q or self._tx_busy)):
+                    return  # (closing: a doorbell write may still be under way, and it is the only writer)
                 tail, self._tail = self._tail, None
                 if tail is None:
                     # what was posted meanwhile leaves in one vectored write; under a link model one WR at
@@ -277,12 +282,12 @@ class SoftQP(Responder, QP):
             except OSError as exc:
                 self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
                 return
+            if broken is not None:  # nothing after it goes (`_tx_busy` stays taken): the QP errors
+                self._fail(WCStatus.LOC_PROT_ERR, broken)
+                return
             with self._cv:
                 self._tx_busy = False
                 self._cv.notify_all()
-            if broken is not None:
-                self._fail(WCStatus.LOC_PROT_ERR, broken)
-                return
             if link:  # the link stays busy until the last bit has left
                 pause = free_at - time.monotonic()
                 if pause > 0:
@@ -373,6 +378,7 @@ class SoftQP(Responder, QP):
             if self._st == QPState.ERR:
                 return
             self._st = QPState.ERR
+            self._tail = None  # (its views would keep the MR's buffer exported)
             victims = list(self._inflight) + list(self._send_q)
             self._inflight.clear()
             self._send_q.clear()
@@ -425,4 +431,5 @@ class SoftQP(Responder, QP):
                 s.close()
         with self._cv:
             self._st = QPState.ERR
+            self._tail = None
         self.ctx.remove_qp(self.qpn)  # type: ignore[attr-defined]
