@@ -6,7 +6,8 @@ Studies (`--study`, several may be given: one testbed, reshaped in place between
   paper's stop-and-wait) and the automatic window, and Mooncake Transfer Engine's TCP transport (one
   sync write; a batch of chunk-sized writes), at several chunk sizes: the paper's Table 2, scaled.
 - qps: fedrdma-e (auto window) with qps_per_peer 1, 2, 4 (the soft provider opens one TCP stream per
-  QP) beside one TCP stream, on a lossy long link: do parallel streams beat one congested stream?
+  QP) beside one TCP stream, on a lossy long link: do parallel streams beat one congested stream? (Under
+  bbr with the 6-BDP automatic window, one QP did: docs/RESULTS.md section 2; --tcp-cc picks the sites' TCP.)
 - link-enable: fedrdma-e and fedrdma, window 1 and auto (or --windows), with link_enable false / true / auto.
 - window: fedrdma-e and fedrdma at windows 1..32 and auto: the best window of each link.
 
