@@ -242,10 +242,10 @@ class CQ(Resource):
             pause = min(0.002, pause * 2 or 0.00002)
 
 
-
 def _check_imm(imm: Optional[int]) -> None:
     if imm is not None and not 0 <= imm < 1 << 32:
         raise UsageError(f"imm must fit 32 bits, got {imm}")
+
 
 class QP(Resource):
     """A reliable-connected queue pair (`ibv_qp`, IBV_QPT_RC)."""
@@ -339,6 +339,9 @@ class QP(Resource):
             raise UsageError(
                 f"remote range [{remote_offset}, {remote_offset + total}) outside the remote MR of {remote.length} bytes"
             )
+        if not 0 <= remote.rkey < 1 << 32 or not 0 <= remote.addr <= (1 << 64) - remote.length:
+            raise UsageError(f"remote MR rkey {remote.rkey:#x} / address {remote.addr:#x} + {remote.length} bytes "
+                             f"outside 32 / 64 bits")
         self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled)
 
     def post_recv(self, sges: SGEs, wr_id: int = 0) -> None:

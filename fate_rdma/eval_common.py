@@ -48,7 +48,8 @@ def code() -> str:
                                  text=True, timeout=10).stdout.strip()
             dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                    capture_output=True, text=True, timeout=10).stdout.strip()
-            commit = f"commit {sha}" + (" with uncommitted changes" if dirty else "") if sha else commit
+            if sha:
+                commit = f"commit {sha}" + (" with uncommitted changes" if dirty else "")
         except (OSError, subprocess.SubprocessError):
             pass
     return f"fate-rdma {__version__} ({commit}); the channel's checksum: {ChannelConfig().checksum} (the default)"

@@ -2,6 +2,7 @@
 nothing, many small WRITEs in flight, and a bad WR in the middle of a batch."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 import threading
@@ -260,14 +261,19 @@ def test_writes_posted_from_several_threads_all_land():
         close_pair([a, b])
 
 
-def test_an_imm_that_does_not_fit_is_refused_at_post():
-    """post_send with an imm outside 32 bits is a UsageError at the call, and the QP goes on working
-    (it was once written to the wire header by whichever thread sent it)."""
+def test_a_field_that_does_not_fit_is_refused_at_post():
+    """An imm outside 32 bits (post_send too), an rkey outside 32 or an address outside 64 is a
+    UsageError at the call, and the QP goes on working (such a field once reached the wire header's
+    packing in whichever thread sent the WR)."""
     a, b = make_pair("soft-tcp", size=1 << 16, cap=ev.QPCap(max_send_wr=16, max_recv_wr=16))
     try:
         for imm in (1 << 32, -1):
             with pytest.raises(ev.UsageError, match="imm must fit 32 bits"):
                 a.qp.post_send(a.mr.sge(0, 64), wr_id=1, imm=imm)
+        good = b.mr.remote()
+        for bad in (dataclasses.replace(good, rkey=1 << 32), dataclasses.replace(good, addr=(1 << 64) - 8)):
+            with pytest.raises(ev.UsageError, match="outside 32 / 64 bits"):
+                a.qp.post_write(a.mr.sge(0, 64), bad, wr_id=1)
         a.qp.post_write(a.mr.sge(0, 64), b.mr.remote(), wr_id=2)
         assert a.cq.wait_n(1, 10)[0].ok and a.qp.state == ev.QPState.RTS
     finally:
