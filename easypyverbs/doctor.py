@@ -82,10 +82,13 @@ def render(rep: Dict[str, Any]) -> str:
     if s["link_model_env"]:
         lines.append(f"              link model from EASYPYVERBS_SOFT_LINK: {s['link_model_env']}")
     sh = s["same_host_path"]
-    lines.append(f"              same-host path (process_vm_readv) to peers on this machine: "
+    lines.append(f"              same-host path to peers on this machine (shared memory mapped, else process_vm_readv): "
                  f"{'on' if sh['on'] else 'off'} ({sh['why']}"
                  + (f"; copies of 2 MiB and more split over {sh['copy_threads']} threads" if sh.get("copy_threads", 1) > 1 else "")
                  + "); EASYPYVERBS_SOFT_SAME_HOST=off forces TCP")
+    if sh["on"]:
+        lines.append(f"              shared memory (memfd senders' buffers, read through a mapping at memcpy speed): "
+                     f"{'on' if sh.get('shared_memory') else 'off'} ({sh.get('shared_memory_why', '')})")
     lines.append("              WRITEs into tracked MRs digested as they land (MR.track_writes: fate-rdma's "
                  "receive slots check crc32c/xxh3 with no second pass over all but the short last block)")
     lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
@@ -93,12 +96,14 @@ def render(rep: Dict[str, Any]) -> str:
 
 
 def _same_host() -> Dict[str, Any]:
-    from .providers.soft import samehost
+    from .providers.soft import samehost, shm
 
     if not samehost.enabled_by_env():
         return {"on": False, "why": "switched off by EASYPYVERBS_SOFT_SAME_HOST"}
     ok, why = samehost.self_test()
-    return {"on": ok, "why": why, "copy_threads": samehost.COPY_THREADS}
+    shm_ok, shm_why = shm.self_test() if ok else (False, "the same-host path is off")
+    return {"on": ok, "why": why, "copy_threads": samehost.COPY_THREADS, "shared_memory": shm_ok,
+            "shared_memory_why": shm_why}
 
 
 def main(argv: List[str]) -> int:

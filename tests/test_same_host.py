@@ -20,7 +20,7 @@ from fate_rdma.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
 
-SAME_HOST = "same-host (process_vm_readv)"
+SAME_HOST = "same-host (memfd map / process_vm_readv)"
 pytestmark = pytest.mark.skipif(not samehost.self_test()[0], reason=f"same-host path unusable: {samehost.self_test()[1]}")
 
 

@@ -460,7 +460,7 @@ def test_soft_data_path_is_chosen_and_reported():
     switched off or a link model (an emulated WAN) is set; each QP says which path it uses."""
     from .verbs_pair import make_pair
 
-    for opts, path in (({}, "same-host (process_vm_readv)"), ({"same_host": False}, "tcp"),
+    for opts, path in (({}, "same-host (memfd map / process_vm_readv)"), ({"same_host": False}, "tcp"),
                        ({"link": "rtt=1ms"}, "tcp")):
         sides = make_pair("soft", **opts)
         try:

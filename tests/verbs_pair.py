@@ -8,10 +8,12 @@ import pytest
 
 import easypyverbs as ev
 
-#: "soft" takes the same-host path here (both ends in one process); "soft-tcp" is the soft provider
+#: "soft" takes the same-host path here (both ends in one process), copying by process_vm_readv; "soft-shm"
+#: the same path with every buffer in shared memory (easypyverbs.buffers.shared_array, a memoryview of it),
+#: copied through the responder's mapping of the requester's region; "soft-tcp" is the soft provider
 #: with that path off, i.e. as between hosts; "soft-tls" is soft-tcp with mutual TLS on every data
 #: connection (tls: true): the conformance suite runs on all three
-PROVIDERS = ["soft", "soft-tcp", "soft-tls", "pyverbs"]
+PROVIDERS = ["soft", "soft-shm", "soft-tcp", "soft-tls", "pyverbs"]
 _tls: Dict[str, Any] = {}
 
 
@@ -43,8 +45,8 @@ def require(provider: str) -> None:
 
 
 def open_ctx(provider: str, **soft_opts: Any) -> ev.Context:
-    if provider in ("soft", "soft-tcp", "soft-tls"):
-        opts = {"rnr_timeout_s": 0.3, "retry_timeout_s": 3.0, "same_host": provider == "soft"}
+    if provider in ("soft", "soft-shm", "soft-tcp", "soft-tls"):
+        opts = {"rnr_timeout_s": 0.3, "retry_timeout_s": 3.0, "same_host": provider in ("soft", "soft-shm")}
         if provider == "soft-tls":
             opts["tls"] = soft_tls()
         opts.update(soft_opts)
@@ -69,7 +71,7 @@ def make_pair(provider: str, size: int = 1 << 16, cap: ev.QPCap = ev.QPCap(), **
         pd = ctx.alloc_pd()
         cq = ctx.create_cq(1024)
         qp = pd.create_qp(cq, cq, cap)
-        buf = bytearray(size)
+        buf: Any = memoryview(ev.buffers.shared_array(size)) if provider == "soft-shm" else bytearray(size)
         mr = pd.reg_mr(buf, ev.Access.all_rdma())
         sides.append(Side(ctx, pd, cq, qp, buf, mr))
     a, b = sides

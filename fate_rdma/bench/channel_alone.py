@@ -22,20 +22,21 @@ ROLES = ("guest", "host", "arbiter")
 
 def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, down: int, rounds: int,
            barrier: Any, results: Any, timeout: float) -> None:
-    import numpy as np
-
     from ..channel import Endpoint
+    from ..channel.buffers import fresh
     from ..config import ChannelConfig
 
     try:
         host, _, port = addrs[role].rpartition(":")
         with Endpoint(ChannelConfig(**config), host, int(port), name=addrs[role]) as ep:
             arbiter = addrs["arbiter"]
+            # the payload where the FATE wrapper puts its copies: shared memory when the same-host path is on
+            payload = fresh(down if role == "arbiter" else up, ep.same_host_capable)
             if role == "arbiter":
-                payload = np.full(down, 7, dtype=np.uint8)
+                payload.fill(7)
                 clients = [addrs["guest"], addrs["host"]]
             else:
-                payload = np.full(up, 1 if role == "guest" else 2, dtype=np.uint8)
+                payload.fill(1 if role == "guest" else 2)
                 ep.connect(arbiter)  # connection set-up is not part of a round (the FATE job connects once too)
             times: List[float] = []
             for _ in range(rounds):

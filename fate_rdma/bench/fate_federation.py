@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", default="auto", help="verbs provider for fate-rdma (auto, soft, pyverbs)")
     p.add_argument("--path", default="tcp", choices=["tcp", "same-host", "both"],
                    help="soft provider's data path between the parties (all on this machine here): tcp (default: "
-                        "as between sites), same-host (process_vm_readv, as when parties share a host), or both "
+                        "as between sites), same-host (a copy between the processes: shared memory or "
+                        "process_vm_readv, as when parties share a host), or both "
                         "(separate rows and ratios, never mixed)")
     p.add_argument("--descriptors", default="auto", choices=["auto", "fate", "channel"],
                    help="how fate-rdma's gets learn what was put: channel (every object and its description over "

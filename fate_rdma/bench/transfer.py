@@ -25,7 +25,10 @@ which wall time on a shared machine hides (a method that busy-polls spends CPU w
 The raw TCP, gRPC and Mooncake rows run once, under the first loopback scenario asked for.
 With `--puts copy,overlap` every fedrdma-e row is measured again as a buffered put of the FATE wrapper
 sends it: the payload copied (into recycled or, `--put-memory fresh`, new memory) and then sent, or
-copied back to front while the chunks already copied go; seconds from the copy's start.
+copied back to front while the chunks already copied go; seconds from the copy's start. `--source`: the
+sender's payload in shared memory (default: a memfd, as the FATE wrapper's put copies, which the soft
+provider's same-host path reads through a mapping) or private memory (read with process_vm_readv); every
+fedrdma row names it.
 """
 from __future__ import annotations
 
@@ -39,7 +42,9 @@ import crc32c
 import numpy as np
 
 from ..channel import Endpoint
-from ..channel.buffers import copy_into
+from easypyverbs.buffers import shared_array
+
+from ..channel.buffers import copy_into, fresh
 from ..channel.checksum import block_digest
 from ..channel.transfer import Fill
 from ..config import ChannelConfig
@@ -82,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--put-memory", default="warm", choices=["warm", "fresh"],
                    help="the buffered put's copy goes into recycled memory (warm, default: later rounds) or into fresh "
                         "memory each time (fresh: a job's first round, page faults included)")
+    p.add_argument("--source", default="shared", choices=["shared", "private"],
+                   help="the sender's payload (and a put's copy) in shared memory (shared, default: a memfd, as the "
+                        "FATE wrapper's buffered puts are where the soft provider's same-host path is on; a same-host "
+                        "peer reads it through a mapping) or in the process's private memory (private: numpy's "
+                        "allocation, as a model's tensors; a same-host peer reads it with process_vm_readv)")
     p.add_argument("--tls", action="store_true",
                    help="each fedrdma/fedrdma-e row once more with tls: true (mutual TLS on the bootstrap and the soft "
                         "provider's data connections; certificates from a throwaway CA): the cost of TLS beside it")
@@ -118,14 +128,19 @@ def _grpc(peer: PeerProcess, payload: bytes, reps: int) -> Dict[str, List[float]
 class _Put:
     """A buffered put's copy of `data` before (copy) or while (overlap) it is sent, into recycled or fresh memory."""
 
-    def __init__(self, how: str, memory: str, data: np.ndarray, checksum: str) -> None:
-        self.how, self.memory, self.data, self.checksum = how, memory, data, checksum
-        self.recycled = [np.ones(data.nbytes, np.uint8) for _ in range(2)] if memory == "warm" else []
+    def __init__(self, how: str, memory: str, data: np.ndarray, checksum: str, shared: bool) -> None:
+        self.how, self.memory, self.data, self.checksum, self.shared = how, memory, data, checksum, shared
+        self.recycled = [self._new() for _ in range(2)] if memory == "warm" else []
+        for b in self.recycled:
+            b.fill(1)  # faulted in
         self.turn = 0
+
+    def _new(self) -> np.ndarray:
+        return fresh(self.data.nbytes, self.shared)  # where the FATE wrapper puts its copies (RecvBuffers)
 
     def send(self, ep: Endpoint, address: str) -> Any:
         self.turn += 1
-        dest = self.recycled[self.turn % 2] if self.recycled else np.empty(self.data.nbytes, np.uint8)
+        dest = self.recycled[self.turn % 2] if self.recycled else self._new()
         if self.how == "copy":
             copy_into(dest, 0, memoryview(self.data))
             return ep.send(address, dest)
@@ -179,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
                          f"(scenarios: {', '.join(SCENARIOS)}; methods: {', '.join(METHODS)}; puts: {', '.join(PUT_LABELS)})")
     print(f"fate-rdma bench transfer: payload {human_bytes(nbytes)}, {reps} repetitions, scenarios {','.join(scenarios)}, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    # in numpy's own allocation, as a model's tensors are (numpy asks the kernel for transparent huge pages for
-    # it; a bytes object gets 4 KiB pages, which the same-host copy pins ~1.5 x slower); every method sends it
-    data = np.empty(nbytes, dtype=np.uint8)
+    # every method sends it. --source shared: in a memfd, where the FATE wrapper copies what it puts (a same-host
+    # peer maps it); private: numpy's own allocation, as a model's tensors are (numpy asks the kernel for
+    # transparent huge pages for it; a bytes object gets 4 KiB pages, which process_vm_readv pins ~1.5 x slower)
+    data = shared_array(nbytes) if args.source == "shared" else np.empty(nbytes, dtype=np.uint8)
     data[:] = np.frombuffer(np.random.default_rng(PAYLOAD_SEED).bytes(nbytes), dtype=np.uint8)
     rows: List[Dict[str, Any]] = []
     tls_dir = tempfile.TemporaryDirectory(prefix="fate-rdma-bench-tls-") if args.tls else None
@@ -227,11 +243,11 @@ def run(args: argparse.Namespace) -> int:
                                         transfer_timeout_s=3600, no_progress_timeout_s=120, checksum=args.checksum,
                                         same_host=scen != "loopback-tcp", secret_file=secret,
                                         **(tls_files if tls else {}))
-                    res = _channel(peer, data, cfg, reps, _Put(how, args.put_memory, data, args.checksum) if how else None)
+                    res = _channel(peer, data, cfg, reps, _Put(how, args.put_memory, data, args.checksum, args.source == "shared") if how else None)
                     method = f"{mode} put: {PUT_LABELS[how]} ({args.put_memory})" if how else mode
                     add({"scenario": scen, "method": method, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
                          "provider": res["provider"], "emulated": res["emulated"], "label": res["label"],
-                         "path": res["path"], "checksum": args.checksum, "tls": tls,
+                         "path": res["path"], "source": args.source, "checksum": args.checksum, "tls": tls,
                          "seconds": round(median(res["times"]), 4),
                          "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"]},
                         res["cpu_send"], res["cpu_recv"])
@@ -239,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     table([dict(r, rss=human_bytes(r["extra_rss_bytes"]) if r.get("extra_rss_bytes") is not None else "-",
                 seconds=r.get("seconds", "skipped"), cpu_snd=r.get("cpu_send_s_per_gb", "-"),
                 cpu_rcv=r.get("cpu_recv_s_per_gb", "-")) for r in rows],
-          ["scenario", "method", "window", "provider", "path", "emulated", "checksum", "seconds", "gbps", "chunks", "rss",
+          ["scenario", "method", "window", "provider", "path", "source", "emulated", "checksum", "seconds", "gbps", "chunks", "rss",
            "cpu_snd", "cpu_rcv", "loadavg_1m"])
     print("cpu_snd, cpu_rcv: CPU seconds per GB moved, of the sending and the receiving process (user + system, all "
           "threads); the soft provider is an emulation of verbs over TCP (emulated: True), not RDMA")

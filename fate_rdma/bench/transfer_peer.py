@@ -3,7 +3,9 @@
 Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc"} starts a gRPC
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
 a fate-rdma Endpoint (optional "name", "allowed_peers", "party_names"); {"cmd": "stats"} reports its memory, threads and
-refusals; {"cmd": "send", "address", "hex"} sends from it; {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
+refusals; {"cmd": "send", "address", "hex"} sends from it; {"cmd": "send_shared", "address", "nbytes", "wait"}
+sends `nbytes` (beginning 01 02 03 04) from shared memory, as the FATE wrapper's put copies (tests; "wait": false
+answers once the transfer is under way); {"cmd": "mark"} resets the peak-RSS counter before a measured transfer;
 {"cmd": "cpu"} answers this process's CPU seconds so far (user + system, every thread; "mark", "peak" and
 "expect" answer them too, so the bench takes the receiver's CPU time over each measured transfer);
 {"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
@@ -23,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import crc32c
 
 import easypyverbs as ev
+from easypyverbs.buffers import shared_array
 
 from ..channel import Endpoint
 from ..config import ChannelConfig
@@ -101,6 +104,7 @@ def serve(host: str, port: int) -> int:
             msg.release()
             counter.hit(n, rec)
 
+    held: List[Any] = []  # send_shared's buffers, kept while their transfers may run
     try:
         while True:
             cmd: Dict[str, Any] = conn.recv(timeout_s=3600)
@@ -147,6 +151,18 @@ def serve(host: str, port: int) -> int:
                 try:
                     info = ep.send(cmd["address"], bytes.fromhex(cmd["hex"]), cmd.get("metadata")).result(30)  # type: ignore[union-attr]
                     conn.send({"ok": True, "info": info})
+                except Exception as exc:
+                    conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            elif op == "send_shared":
+                buf = shared_array(int(cmd["nbytes"]))
+                buf[:4] = (1, 2, 3, 4)
+                fut = ep.send(cmd["address"], buf)  # type: ignore[union-attr]
+                held.append(buf)
+                if not cmd.get("wait", True):
+                    conn.send({"ok": True})
+                    continue
+                try:
+                    conn.send({"ok": True, "info": fut.result(60)})
                 except Exception as exc:
                     conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             elif op == "exit":

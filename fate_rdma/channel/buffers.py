@@ -7,6 +7,8 @@ from typing import Any, List
 
 import numpy as np
 
+from easypyverbs import buffers as ev_buffers
+
 
 def _unreferenced(buf: np.ndarray, extra: int = 0) -> bool:
     """True if nothing but the cache's list refers to `buf` (plus `extra` local names of the caller).
@@ -20,14 +22,17 @@ def _unreferenced(buf: np.ndarray, extra: int = 0) -> bool:
     return sys.getrefcount(buf) == 3 + extra
 
 
-def fresh(n: int) -> np.ndarray:
-    """n bytes of new memory, not yet faulted in.
+def fresh(n: int, shared: bool = False) -> np.ndarray:
+    """n bytes of new memory, not yet faulted in; `shared`: in a memfd (easypyverbs.buffers.shared_array),
+    which a peer's soft NIC on this host reads through a mapping, at memcpy's speed (a send source).
 
     Its pages are faulted in by the copies that fill it (`copy_into`), which run without the GIL, so
     first-touch costs are spread over the transfer and never stall other threads. Faulting up front
     with MAP_POPULATE held the GIL for the whole mmap call: 13 s for 2 GiB on a fresh VM, whose
     memory the hypervisor backs on first touch, long enough for every peer of the process to see
     its QPs time out (RETRY_EXC_ERR)."""
+    if shared:
+        return ev_buffers.shared_array(n)
     return np.empty(max(n, 1), dtype=np.uint8)
 
 
@@ -68,10 +73,11 @@ def copy_into(dest: np.ndarray, offset: int, src: memoryview) -> None:
 class RecvBuffers:
     """FedRDMA reassembly buffers, recycled: a buffer is handed out again once no message view and no
     array made from one refers to it any more (CPython reference count), so round after round of
-    same-sized payloads lands in memory that is already faulted in. At most `max_bytes` are kept."""
+    same-sized payloads lands in memory that is already faulted in. At most `max_bytes` are kept.
+    `shared`: buffers in shared memory (fresh(shared=True)), for what is sent to same-host peers."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, shared: bool = False) -> None:
+        self.max_bytes, self.shared = max_bytes, shared
         self._bufs: List[np.ndarray] = []
         self._lock = threading.Lock()
         self.reused = 0
@@ -89,13 +95,13 @@ class RecvBuffers:
                     return b[:n]
             self.fresh_bytes += n
             if n > self.max_bytes:
-                return fresh(n)
+                return fresh(n, self.shared)
             while self._bufs and sum(x.nbytes for x in self._bufs) + n > self.max_bytes:
                 idle = [j for j in range(len(self._bufs)) if _unreferenced(self._bufs[j])]
                 if not idle:
-                    return fresh(n)
+                    return fresh(n, self.shared)
                 del self._bufs[idle[0]]
-            b = fresh(n)
+            b = fresh(n, self.shared)
             self._bufs.append(b)
             return b[:n]
 

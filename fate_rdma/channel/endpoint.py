@@ -98,6 +98,12 @@ class Endpoint:
     def label(self) -> str:
         return self.ctx.label
 
+    @property
+    def same_host_capable(self) -> bool:
+        """Can this endpoint's payloads reach a peer on this host by the soft provider's same-host path? Then a
+        send source allocated with `shared=True` (channel.buffers.fresh) is read through a mapping of it."""
+        return bool(getattr(self.ctx, "same_host", False)) and getattr(self.ctx, "link", None) is None
+
     # -- connections ----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closed:

@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--payload-mib", type=int, default=None, help="payload (default 1024: the paper's 1 GB; quick 64)")
     c.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     c.add_argument("--paths", default=None, help="fate-rdma paths: tcp (loopback TCP, as between hosts), same-host "
-                                                 "(process_vm_readv); default tcp,same-host, quick tcp")
+                                                 "(shared memory or process_vm_readv); default tcp,same-host, quick tcp")
     c.add_argument("--out", default="results/eval", help="results root; each run makes a time-stamped folder")
 
 

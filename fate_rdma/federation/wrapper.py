@@ -78,7 +78,8 @@ class RdmaFederation:
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
                       "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
                       "buffered_puts": 0, "put_copy_seconds": 0.0, "lent_bytes": 0}
-        self._put_copies = RecvBuffers(cfg.put_buffer_bytes)  # recycled as reassembly buffers are
+        # recycled as reassembly buffers are; in shared memory where a same-host peer's NIC can map them
+        self._put_copies = RecvBuffers(cfg.put_buffer_bytes, shared=self.endpoint.same_host_capable)
         self._inflight: set = set()
         self._inflight_bytes = 0
         self._inflight_lock = threading.Condition()  # notified when a buffered put's sends are all over

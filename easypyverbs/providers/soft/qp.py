@@ -25,7 +25,7 @@ from ...enums import QPState, WCOpcode, WCStatus
 from ...errors import EasyVerbsError, UsageError
 from ...tls import TLSStream, handshake
 from ...types import WC, QPCap, QPInfo
-from . import samehost, wire
+from . import samehost, shm, wire
 from .link import DelayLine
 from .responder import PSN_MASK, Responder, _OPS
 
@@ -84,6 +84,7 @@ class SoftQP(Responder, QP):
         self._unacked_bytes = 0  # responder: WRITE bytes placed since the last answer
         self._pull = False  # requester: the responder reads our payloads itself (same-host path)
         self._pull_pid = 0  # responder: the requester's pid when we read its payloads (same-host path)
+        self._regions: Optional[shm.PeerRegions] = None  # responder: the requester's shared regions mapped here
         self._probe: Optional[samehost.Probe] = None
 
     # -- connection -----------------------------------------------------------------------------
@@ -152,11 +153,12 @@ class SoftQP(Responder, QP):
 
     @property
     def data_path(self) -> str:
-        """How this QP's outgoing payloads reach the peer: "same-host (process_vm_readv)", "tcp" or
-        "tcp+tls" (the context's `tls`)."""
+        """How this QP's outgoing payloads reach the peer: "same-host (memfd map / process_vm_readv)" (the peer's
+        NIC copies them: through a mapping where they lie in shared memory, shm.py, else with
+        process_vm_readv), "tcp" or "tcp+tls" (the context's `tls`)."""
         tls = isinstance(self._req_sock, TLSStream)
         if self._pull:  # under TLS too: the payload is a copy between two processes of this host
-            return "same-host (process_vm_readv)" + (", headers over tls" if tls else "")
+            return "same-host (memfd map / process_vm_readv)" + (", headers over tls" if tls else "")
         return "tcp+tls" if tls else "tcp"
 
     def attach_responder(self, sock: Any, src_qpn: int, psn: int, fwd_delay_s: float,
@@ -247,8 +249,10 @@ class SoftQP(Responder, QP):
             if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
                 opcode |= wire.OP_PULL
                 spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]
-                views = [memoryview(wire.PULL_COUNT.pack(len(spans))
-                                    + b"".join(wire.PULL_SPAN.pack(*sp) for sp in spans))]
+                region = shm.region_of(spans)
+                views = [memoryview(wire.PULL_COUNT.pack(len(spans) | (wire.PULL_HAS_REGION if region else 0))
+                                    + b"".join(wire.PULL_SPAN.pack(*sp) for sp in spans)
+                                    + (wire.PULL_REGION.pack(*region) if region else b""))]
             free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
             bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr,
                                                  wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from ...buffers import address_of
 from ...enums import Access, QPState, WCOpcode, WCStatus
 from ...errors import UsageError
 from ...types import WC
-from . import samehost, wire
+from . import samehost, shm, wire
 from .landing import Landing
 from .link import DelayLine
 
@@ -28,6 +28,8 @@ ACK_EVERY_BYTES = 1 << 20
 PSN_MASK = 0xFFFFFF
 log = logging.getLogger("easypyverbs.soft")
 _OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
+#: a same-host request's payload: its spans in the requester's memory, and the mapping to copy them from (or None)
+Pulled = Tuple[List[Any], Optional[shm.Mapped]]
 
 
 class Responder:
@@ -61,6 +63,13 @@ class Responder:
             return None
 
     def _respond_loop(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
+        try:
+            self._respond(sock, psn, fwd_delay_s)
+        finally:  # this thread is the connection's only reader: once it ends, nothing of the peer stays mapped
+            if self._regions is not None:
+                self._regions.close()
+
+    def _respond(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
         hdr = memoryview(bytearray(wire.REQ.size))
         rd = wire.Reader(sock)  # the only reader of `sock`: headers and small payloads in few system calls
         expected = psn
@@ -75,11 +84,11 @@ class Responder:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
                     return
                 expected = (expected + 1) & PSN_MASK
-                spans = self._read_spans(rd, length) if pull else None
-                if pull and spans is None:
+                pulled = self._read_spans(rd, length) if pull else None
+                if pull and pulled is None:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
                     return
-                self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, spans)
+                self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, pulled)
             except (OSError, wire.PeerClosed) as exc:
                 with self._cv:
                     acks_pending = bool(self._inflight)
@@ -96,23 +105,34 @@ class Responder:
                 self._enter_error(WCStatus.WR_FLUSH_ERR, f"responder failed: {type(exc).__name__}: {exc}")
                 return
 
-    def _read_spans(self, rd: wire.Reader, length: int) -> Optional[List[Any]]:
-        """The (address, length) spans of a same-host request; None if they do not add up to `length`."""
+    def _read_spans(self, rd: wire.Reader, length: int) -> Optional[Pulled]:
+        """The (address, length) spans of a same-host request, and the mapping of the shared region they
+        lie in if the requester names one that can be mapped; None if the spans do not add up to
+        `length` or lie outside the region named."""
         (count,) = wire.PULL_COUNT.unpack(rd.read(wire.PULL_COUNT.size))
+        named, count = bool(count & wire.PULL_HAS_REGION), count & ~wire.PULL_HAS_REGION
         if count > wire.MAX_PULL_SPANS:
             return None
         raw = rd.read(count * wire.PULL_SPAN.size)
         spans = [wire.PULL_SPAN.unpack_from(raw, i * wire.PULL_SPAN.size) for i in range(count)]
-        return spans if sum(n for _, n in spans) == length else None
+        src = None
+        if named:
+            region = wire.PULL_REGION.unpack(rd.read(wire.PULL_REGION.size))
+            if self._regions is None:
+                self._regions = shm.PeerRegions(self._pull_pid)
+            src = self._regions.get(region)
+            if src is not None and not src.holds(spans):
+                return None
+        return (spans, src) if sum(n for _, n in spans) == length else None
 
-    def _place(self, rd: wire.Reader, spans: Optional[List[Any]], targets: List[memoryview], due: float,
-               psn: int, landing: Optional[Landing] = None) -> bool:
+    def _place(self, rd: wire.Reader, pulled: Optional[Pulled], targets: List[memoryview], due: float, psn: int,
+               landing: Optional[Landing] = None) -> bool:
         """Fill `targets` with the request's payload: from the socket, or (same-host path) straight from
         the requester's memory. False (the request answered with an error, the QP failing) if the
         requester's memory cannot be read. `landing` (one target, a tracked MR's WRITE): place it piece by
         piece, each digested as soon as it is placed."""
         pieces = landing.pieces() if landing is not None else None
-        if spans is None:
+        if pulled is None:
             if landing is not None:
                 for at, n, _first in pieces:  # type: ignore[union-attr]
                     rd.read_into(targets[0][at:at + n])
@@ -122,8 +142,8 @@ class Responder:
                 rd.read_into(t)
             return True
         try:
-            samehost.read_from(self._pull_pid, spans, [(address_of(t), t.nbytes) for t in targets],
-                               pieces=pieces, on_piece=landing.landed if landing is not None else None)
+            samehost.read_from(self._pull_pid, pulled[0], [(address_of(t), t.nbytes) for t in targets],
+                               pieces=pieces, on_piece=landing.landed if landing is not None else None, src=pulled[1])
         except Exception as exc:  # OSError from the kernel; anything else must fail this request, not the thread
             self._answer(rd.sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
                          why=f"cannot read the requester's memory: {exc}")
@@ -131,7 +151,7 @@ class Responder:
         return True
 
     def _serve(self, rd: wire.Reader, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
-               imm: int, due: float, spans: Optional[List[Any]] = None) -> None:
+               imm: int, due: float, spans: Optional[Pulled] = None) -> None:
         sock = rd.sock  # answers go out on it; every byte in comes through `rd`
         if op == wire.OP_READ:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)

@@ -23,7 +23,7 @@ import ctypes.util
 import os
 import secrets
 import threading
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 Span = Tuple[int, int]  # (address, length)
 
@@ -101,16 +101,19 @@ def _helper_pool() -> concurrent.futures.ThreadPoolExecutor:
 Piece = Tuple[List[Span], List[Span], int, int]  # (remote spans, local spans, offset in the copy, length)
 
 
-def _helped(pid: int, part: List[Piece], on_piece: Optional[Callable[[int, int], None]]) -> None:
+Reader = Callable[[List[Span], List[Span]], None]  # copies remote spans into local ones
+
+
+def _helped(read: Reader, part: List[Piece], on_piece: Optional[Callable[[int, int], None]]) -> None:
     try:
-        _copy(pid, part, on_piece)
+        _copy(read, part, on_piece)
     finally:
         _idle.release()
 
 
-def _copy(pid: int, part: List[Piece], on_piece: Optional[Callable[[int, int], None]]) -> None:
+def _copy(read: Reader, part: List[Piece], on_piece: Optional[Callable[[int, int], None]]) -> None:
     for r, l, at, n in part:
-        _read(pid, r, l)
+        read(r, l)
         if on_piece is not None:
             on_piece(at, n)
 
@@ -129,8 +132,10 @@ def _groups(pieces: Sequence[Tuple[int, int, bool]], parts: int, total: int) -> 
 
 def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: int = 0,
               pieces: Optional[Sequence[Tuple[int, int, bool]]] = None,
-              on_piece: Optional[Callable[[int, int], None]] = None) -> None:
+              on_piece: Optional[Callable[[int, int], None]] = None, src: Optional[Any] = None) -> None:
     """Copy the bytes at `remote` in process `pid` into `local` here (equal totals); OSError on failure.
+    `src` (shm.Mapped, holding every remote span): copy from that mapping of the peer's shared region
+    instead of with process_vm_readv.
     A large copy is split into `threads` parts (default COPY_THREADS) done at once: this thread does the
     first, idle helper threads the rest; a part no helper is free for (other copies hold them) is done
     here too, so concurrent copies never queue behind each other. `pieces` ((offset, length, begins a
@@ -139,9 +144,10 @@ def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: 
     are copied by one thread, in order."""
     rem, loc = [s for s in remote if s[1]], [s for s in local if s[1]]
     total = sum(n for _, n in rem)
+    read: Reader = src.copy if src is not None else (lambda r, l: _read(pid, r, l))
     parts = max(1, min(threads or COPY_THREADS, total // SPLIT_MIN_BYTES))
     if total != sum(n for _, n in loc) or (pieces is None and parts == 1):
-        _read(pid, rem, loc)
+        read(rem, loc)
         return
     if pieces is None:
         step = -(-total // parts)
@@ -156,13 +162,13 @@ def read_from(pid: int, remote: Sequence[Span], local: Sequence[Span], threads: 
             mine.append(part)
             continue
         try:
-            futures.append(pool.submit(_helped, pid, part, on_piece))
+            futures.append(pool.submit(_helped, read, part, on_piece))
         except RuntimeError:  # the pool is shut down (interpreter exit): this thread copies it
             _idle.release()
             mine.append(part)
     try:
         for part in mine:
-            _copy(pid, part, on_piece)
+            _copy(read, part, on_piece)
     finally:
         errors = [f.exception() for f in futures]  # every part ends before the caller reuses the memory
     for e in errors:

@@ -18,7 +18,9 @@ With TLS on (`SoftContext(tls=...)`), a connection is a mutual TLS 1.3 connectio
 every frame above travels inside it (`easypyverbs.tls.TLSStream`: the calls below take either).
 
 With the same-host path on, a SEND or WRITE request carries opcode bit 0x40 and, instead of its
-payload, PULL `!I` (count) then count x `!QQ` (address, length) in the requester's memory.
+payload, PULL `!I` (count) then count x `!QQ` (address, length) in the requester's memory. Where those
+spans lie in one shared region of the requester (shm.py), the count's high bit is set and PULL_REGION
+`!IQQQ` (fd, inode, base address, size) follows the spans: the responder may map it and copy from there.
 
 REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
     magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
@@ -42,6 +44,8 @@ HELLO_REPLY = struct.Struct("!4sBBHH")
 PULL_COUNT = struct.Struct("!I")
 PULL_SPAN = struct.Struct("!QQ")
 MAX_PULL_SPANS = 1024
+PULL_REGION = struct.Struct("!IQQQ")
+PULL_HAS_REGION = 0x80000000
 FLAG_SAME_HOST = 1
 HELLO_MAGIC = b"SVRB"
 REQ = struct.Struct("!HBBIQQIIQ")

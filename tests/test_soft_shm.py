@@ -1,0 +1,160 @@
+"""The soft provider's same-host path through shared memory (shm.py): a WRITE or SEND from a memfd-backed
+buffer is copied by the responder through a read-only mapping; a private buffer still by process_vm_readv;
+a region that cannot be mapped (wrong inode, not sealed, not ours) falls back, spans outside the region
+named fail the QP, and no mapping outlives the QP or the requester's process."""
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import easypyverbs as ev
+from easypyverbs.providers.soft import samehost, shm
+from fate_rdma import errors as E
+from fate_rdma.channel import Endpoint
+
+from .test_same_host import SAME_HOST, cfg, peer
+from .verbs_pair import close_pair, make_pair
+
+pytestmark = pytest.mark.skipif(not shm.self_test()[0], reason=f"shared memory unusable: {shm.self_test()[1]}")
+
+
+def _maps_of(pid: int = 0) -> int:
+    """How many mappings of this provider's shared regions process `pid` (0: this one) holds."""
+    with open(f"/proc/{pid or 'self'}/maps") as f:
+        return sum(f"/memfd:{shm.NAME}" in line for line in f)
+
+
+def _pair_with_shared_source(n):
+    a, b = make_pair("soft", size=n)
+    src = ev.buffers.shared_array(n)
+    src[:] = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+    return a, b, src, a.pd.reg_mr(src, ev.Access(0))
+
+
+def test_a_write_from_shared_memory_is_read_through_a_mapping():
+    n = (3 << 20) + 5
+    a, b, src, mr = _pair_with_shared_source(n)
+    try:
+        assert a.qp.data_path == SAME_HOST
+        for i in range(3):  # the region is mapped once, then reused
+            a.qp.post_write(mr.sge(0, n), b.mr.remote(), wr_id=i)
+            assert a.cq.wait_n(1, 20)[0].ok
+        assert bytes(b.buf[:n]) == src.tobytes()
+        assert b.qp._regions is not None and b.qp._regions.mapped_total == 1
+        mr.close()
+    finally:
+        close_pair([a, b])
+    assert b.qp._regions is not None and not b.qp._regions._maps  # unmapped when the responder ended
+
+
+def test_a_write_from_private_memory_still_uses_process_vm_readv(monkeypatch):
+    a, b = make_pair("soft", size=1 << 20)
+    calls = []
+    real = samehost._read
+    monkeypatch.setattr(samehost, "_read", lambda *x: (calls.append(1), real(*x)))
+    try:
+        a.buf[:] = bytes(i % 251 for i in range(len(a.buf)))
+        a.qp.post_write(a.mr.sge(0, len(a.buf)), b.mr.remote())
+        assert a.cq.wait_n(1, 20)[0].ok
+        assert b.buf == a.buf and calls and b.qp._regions is None
+    finally:
+        close_pair([a, b])
+
+
+@pytest.mark.parametrize("lie", ["inode", "fd"])
+def test_a_region_that_cannot_be_mapped_is_read_with_process_vm_readv(monkeypatch, lie):
+    """A region named with another inode, or an fd that is no region of ours (stdin): not mapped; the bytes
+    come by process_vm_readv, intact."""
+    n = 1 << 20
+    a, b, src, mr = _pair_with_shared_source(n)
+    real = shm.region_of
+
+    def wrong(spans):
+        fd, ino, base, size = real(spans)
+        return (fd, ino + 1, base, size) if lie == "inode" else (0, ino, base, size)
+
+    monkeypatch.setattr(shm, "region_of", wrong)
+    try:
+        a.qp.post_write(mr.sge(0, n), b.mr.remote())
+        assert a.cq.wait_n(1, 20)[0].ok
+        assert bytes(b.buf[:n]) == src.tobytes() and b.qp._regions.mapped_total == 0
+        mr.close()
+    finally:
+        close_pair([a, b])
+
+
+def test_spans_outside_the_region_named_fail_the_qp(monkeypatch):
+    n = 1 << 20
+    a, b, src, mr = _pair_with_shared_source(n)
+    real = shm.region_of
+    monkeypatch.setattr(shm, "region_of", lambda spans: real(spans)[:3] + (4096,))  # claims a smaller region
+    try:
+        a.qp.post_write(mr.sge(0, n), b.mr.remote())
+        wc = a.cq.wait_n(1, 20)[0]
+        assert not wc.ok
+        assert b.buf[:n] == bytes(n)  # nothing placed
+        mr.close()
+    finally:
+        close_pair([a, b])
+
+
+def test_an_unsealed_memfd_is_not_mapped():
+    """A file that could shrink under the mapping would fault the reader: only sealed regions are mapped."""
+    fd = os.memfd_create(shm.NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4096)
+        m = mmap.mmap(fd, 4096)
+        base = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        regions = shm.PeerRegions(os.getpid())
+        assert regions.get((fd, os.fstat(fd).st_ino, base, 4096)) is None
+        regions.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_region_is_forgotten_with_its_array():
+    arr = ev.buffers.shared_array(8192)
+    base = int(arr.ctypes.data)
+    assert shm.region_of([(base, 8192)]) is not None and shm.region_of([(base, 8193)]) is None
+    del arr
+    assert shm.region_of([(base, 10)]) is None
+
+
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_channel_transfer_from_shared_memory_then_sender_killed_leaves_nothing_mapped(mode):
+    """A peer process sends from shared memory (its put buffers); the payload arrives intact; then a second
+    transfer is cut by killing the sender: this side's responder unmaps its regions as its QP fails."""
+    c = cfg(mode, slot_bytes=300 << 20)
+    gc.collect()
+    before = _maps_of()  # shared arrays of earlier tests in this process, if any are still alive
+    p, addr = peer(c)
+    try:
+        with Endpoint(c) as ep:
+            assert ep.same_host_capable
+            p.cmd({"cmd": "send", "address": ep.address, "hex": "00" * 16})  # connected, both ways
+            assert ep.recv(timeout=20).nbytes == 16
+            p.cmd({"cmd": "send_shared", "address": ep.address, "nbytes": 40 << 20})
+            with ep.recv(timeout=30) as msg:
+                assert bytes(msg.view[:4]) == b"\x01\x02\x03\x04" and msg.nbytes == 40 << 20
+                assert not np.frombuffer(msg.view, dtype=np.uint8)[4:].any()
+            assert _maps_of() == before + 1  # the sender's region, mapped by this side's responder
+            p.cmd({"cmd": "send_shared", "address": ep.address, "nbytes": 256 << 20, "wait": False})
+            time.sleep(0.05)
+            os.kill(p.proc.pid, signal.SIGKILL)
+            p.proc.wait(10)
+            deadline = time.monotonic() + 20
+            while _maps_of() > before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _maps_of() == before
+            with pytest.raises((E.TransferTimeout, E.FateRdmaError)):
+                ep.recv(timeout=0.5)
+    finally:
+        p.proc.kill()
+        p.proc.wait()
+        p.conn.close()
