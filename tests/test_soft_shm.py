@@ -37,9 +37,10 @@ def _pair_with_shared_source(n):
     return a, b, src, a.pd.reg_mr(src, ev.Access(0))
 
 
-def test_a_write_from_shared_memory_is_read_through_a_mapping():
+def test_a_write_from_shared_memory_is_read_through_a_mapping(monkeypatch):
     n = (3 << 20) + 5
     a, b, src, mr = _pair_with_shared_source(n)
+    monkeypatch.setattr(samehost, "_read", lambda *x: pytest.fail("process_vm_readv used for a shared region"))
     try:
         assert a.qp.data_path == SAME_HOST
         for i in range(3):  # the region is mapped once, then reused
@@ -67,17 +68,22 @@ def test_a_write_from_private_memory_still_uses_process_vm_readv(monkeypatch):
         close_pair([a, b])
 
 
-@pytest.mark.parametrize("lie", ["inode", "fd"])
-def test_a_region_that_cannot_be_mapped_is_read_with_process_vm_readv(monkeypatch, lie):
-    """A region named with another inode, or an fd that is no region of ours (stdin): not mapped; the bytes
-    come by process_vm_readv, intact."""
+@pytest.mark.parametrize("lie", ["inode", "fd", "size", "fifo"])
+def test_a_region_that_cannot_be_mapped_is_read_with_process_vm_readv(monkeypatch, tmp_path, lie):
+    """A region named with another inode, an fd that is no region of ours (stdin), another size, or a FIFO
+    (which an open() of /proc/<pid>/fd/N would block on: the responder takes a duplicate instead): not
+    mapped, nothing hangs; the bytes come by process_vm_readv, intact."""
     n = 1 << 20
     a, b, src, mr = _pair_with_shared_source(n)
     real = shm.region_of
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
 
     def wrong(spans):
         fd, ino, base, size = real(spans)
-        return (fd, ino + 1, base, size) if lie == "inode" else (0, ino, base, size)
+        return {"inode": (fd, ino + 1, base, size), "fd": (0, ino, base, size), "size": (fd, ino, base, size + 4096),
+                "fifo": (fifo_fd, os.fstat(fifo_fd).st_ino, base, size)}[lie]
 
     monkeypatch.setattr(shm, "region_of", wrong)
     try:
@@ -87,13 +93,35 @@ def test_a_region_that_cannot_be_mapped_is_read_with_process_vm_readv(monkeypatc
         mr.close()
     finally:
         close_pair([a, b])
+        os.close(fifo_fd)
+
+
+def test_a_region_with_holes_is_read_with_process_vm_readv(monkeypatch):
+    """Bytes the requester never wrote are holes of its memfd; a read fault there would allocate memory
+    charged to the responder: while the file has holes, requests go by process_vm_readv (zeros either way)."""
+    n = 1 << 20
+    a, b = make_pair("soft", size=n)
+    src = ev.buffers.shared_array(n)  # never written: all holes
+    mr = a.pd.reg_mr(src, ev.Access(0))
+    calls = []
+    real = samehost._read
+    monkeypatch.setattr(samehost, "_read", lambda *x: (calls.append(1), real(*x)))
+    try:
+        b.buf[:] = b"\xff" * n
+        a.qp.post_write(mr.sge(0, n), b.mr.remote())
+        assert a.cq.wait_n(1, 20)[0].ok
+        assert b.buf[:n] == bytes(n) and calls and b.qp._regions.mapped_total == 1
+        mr.close()
+    finally:
+        close_pair([a, b])
 
 
 def test_spans_outside_the_region_named_fail_the_qp(monkeypatch):
     n = 1 << 20
     a, b, src, mr = _pair_with_shared_source(n)
     real = shm.region_of
-    monkeypatch.setattr(shm, "region_of", lambda spans: real(spans)[:3] + (4096,))  # claims a smaller region
+    # names the region 4 KiB further on: it maps (file and size match), and the first 4 KiB lie outside it
+    monkeypatch.setattr(shm, "region_of", lambda spans: real(spans)[:2] + (real(spans)[2] + 4096, real(spans)[3]))
     try:
         a.qp.post_write(mr.sge(0, n), b.mr.remote())
         wc = a.cq.wait_n(1, 20)[0]

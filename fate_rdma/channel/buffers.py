@@ -1,6 +1,7 @@
 """Receive-side memory that is not registered: FedRDMA reassembly buffers, recycled across rounds."""
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any, List
@@ -8,6 +9,9 @@ from typing import Any, List
 import numpy as np
 
 from easypyverbs import buffers as ev_buffers
+
+log = logging.getLogger("fate_rdma.channel")
+_shared_failed: List[BaseException] = []  # the first failure to allocate shared memory (warned once)
 
 
 def _unreferenced(buf: np.ndarray, extra: int = 0) -> bool:
@@ -32,7 +36,13 @@ def fresh(n: int, shared: bool = False) -> np.ndarray:
     memory the hypervisor backs on first touch, long enough for every peer of the process to see
     its QPs time out (RETRY_EXC_ERR)."""
     if shared:
-        return ev_buffers.shared_array(n)
+        try:
+            return ev_buffers.shared_array(n)
+        except OSError as exc:  # no memfd here (or no fds left): private memory, read by process_vm_readv
+            if not _shared_failed:
+                _shared_failed.append(exc)
+                log.warning("fate-rdma: cannot allocate shared memory (%s); same-host peers read this process's "
+                            "payloads with process_vm_readv instead (slower)", exc)
     return np.empty(max(n, 1), dtype=np.uint8)
 
 

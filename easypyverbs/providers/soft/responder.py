@@ -120,8 +120,8 @@ class Responder:
             region = wire.PULL_REGION.unpack(rd.read(wire.PULL_REGION.size))
             if self._regions is None:
                 self._regions = shm.PeerRegions(self._pull_pid)
-            src = self._regions.get(region)
-            if src is not None and not src.holds(spans):
+            inside, src = self._regions.source(region, spans)
+            if not inside:
                 return None
         return (spans, src) if sum(n for _, n in spans) == length else None
 

@@ -2,22 +2,30 @@
 `shared_array`) is read by the responder through a read-only mapping of it, with a plain memcpy, instead
 of through process_vm_readv. The kernel's cross-process copy pins every page it reads and copies at about
 half memcpy's speed here (1 GiB with an XXH3 of each piece, two threads: 146 ms by process_vm_readv, 95 ms
-from the mapping; `/tmp`-free scratch measurement on the 2-core test machine, 2026-11-26).
+from the mapping; scratch measurement on the 2-core test machine, 2026-11-26).
 
-Requester: `shared_array(n)` gives a numpy byte array backed by a memfd named "easypyverbs-shm"; while it
-lives, `region_of(spans)` names the region that holds a request's spans as (fd, inode, base address,
-size), which rides after the request's spans on the wire (wire.PULL_REGION).
+Requester: `shared_array(n)` gives a numpy byte array over a memfd named "easypyverbs-shm", sealed against
+shrinking; while it lives, `region_of(spans)` names the region that holds a request's spans as (fd,
+inode, base address, size), which rides after the request's spans on the wire (wire.PULL_REGION). The
+region leaves the registry before its memory is unmapped (so a later allocation at the same address is
+never taken for it).
 
-Responder: `PeerRegions` maps a named region of the requester's process read-only, once, through
-/proc/<pid>/fd/<fd> (which needs the same permission as process_vm_readv: the path's proof already
-showed it), after checking that the file is that inode, a memfd of this provider, and at least `size`
-bytes long, and sealed against shrinking (F_SEAL_SHRINK: a file cut short under the mapping would
-fault this process on a read); every span must lie inside the region, or the request is refused. A region that cannot be
-mapped is read with process_vm_readv as before. The mappings belong to the responder thread of one
-QP and are unmapped when it ends (a peer that dies mid-transfer leaves nothing mapped here; a memfd holds
-no name in /dev/shm or anywhere else, its memory goes with the last mapping), and a region the peer has
-freed is unmapped at the next request that names a region once PRUNE_EVERY_S has passed, or when a new
-region is mapped; at most MAX_MAPPED stay mapped.
+Responder: `PeerRegions` takes a duplicate of the named fd from the requester with pidfd_getfd(2) (which
+needs the permission process_vm_readv needs: the path's proof already showed it; no file is reopened, so
+nothing can block or be opened with the responder's credentials), and maps it read-only once it is a
+regular file on the kernel's internal shmem mount (not hugetlbfs: a hole there faults a reader with
+SIGBUS), named as this provider's, of the inode and exact size named, and sealed against shrinking (a
+file cut short under the mapping would fault this process). Every span must lie inside the region, or
+the request is refused; while the file has a hole anywhere (a buffer not yet written whole), requests
+are read with process_vm_readv instead (a read fault on a hole would allocate memory charged to the
+responder). A region that cannot be mapped is read
+with process_vm_readv as before. The mappings belong to the responder thread of one QP: at most
+MAX_MAPPED, one per inode, each at most MAX_REGION_BYTES; a region the peer has freed is unmapped at the
+next request naming a region once PRUNE_EVERY_S has passed, or when a new region is mapped, and all are
+unmapped when the thread ends (a peer that dies mid-transfer leaves nothing mapped here; a memfd holds
+no name in /dev/shm or anywhere else, its memory goes with the last mapping). What a peer can still do:
+punch a hole between the check and the copy (F_SEAL_SHRINK allows it), and the read there allocates a
+page charged to the responder: at most the region's size.
 """
 from __future__ import annotations
 
@@ -41,25 +49,39 @@ log = logging.getLogger("easypyverbs.soft")
 NAME = "easypyverbs-shm"
 #: regions a responder keeps mapped at once (least recently used unmapped first)
 MAX_MAPPED = 16
+#: regions a responder remembers it could not map (each is then read with process_vm_readv)
+MAX_REFUSED = 64
 #: a responder looks this often (at its next request naming a region) for regions the peer has freed
 PRUNE_EVERY_S = 1.0
 #: the largest region a responder maps (a peer cannot make us map more address space than this)
-MAX_REGION_BYTES = 1 << 40
+MAX_REGION_BYTES = 256 << 30
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture (the unified syscall table)
 
 Span = Tuple[int, int]
 Region = Tuple[int, int, int, int]  # (fd in the requester, inode, base address there, size)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.syscall.restype = ctypes.c_long
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 _lock = threading.Lock()
 _bases: List[int] = []  # sorted base addresses of live regions in this process
 _regions: Dict[int, Region] = {}  # base -> region
 
 
-def _forget(base: int, fd: int) -> None:
+def _release(base: int, n: int, fd: int) -> None:
+    """The last view of a region is gone: forget it, then unmap it, then close its fd (in that order: an
+    address that is reused after the unmap never finds the old region)."""
     with _lock:
         i = bisect.bisect_left(_bases, base)
         if i < len(_bases) and _bases[i] == base:
             del _bases[i]
         _regions.pop(base, None)
+    _libc.munmap(base, n)
     try:
         os.close(fd)
     except OSError:
@@ -67,24 +89,29 @@ def _forget(base: int, fd: int) -> None:
 
 
 def shared_array(nbytes: int) -> np.ndarray:
-    """A zeroed byte array of `nbytes` in shared memory (a memfd) that a same-host peer's soft NIC can map
-    to read it without process_vm_readv; like np.zeros otherwise. The region is forgotten and its fd
-    closed once the array (and every view of it) is gone."""
+    """A zeroed byte array of `nbytes` (at least 1) in shared memory (a memfd) that a same-host peer's soft
+    NIC can map to read it without process_vm_readv; otherwise like np.zeros, except that a child made by
+    fork() shares it. The region is forgotten, unmapped and its fd closed once the array (and every view
+    of it) is gone. OSError where memfds cannot be made (the caller may fall back to private memory)."""
     n = max(1, int(nbytes))
     fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, n)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)  # see PeerRegions._map
-        m = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        base = _libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if base is None or base == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of a {n}-byte memfd: {os.strerror(err)}")
+        ino = os.fstat(fd).st_ino
     except BaseException:
         os.close(fd)
         raise
-    arr = np.frombuffer(m, dtype=np.uint8)  # holds `m`: the region lives as long as any view of it
-    base, ino = int(arr.ctypes.data), os.fstat(fd).st_ino
+    owner = (ctypes.c_uint8 * n).from_address(base)
+    arr = np.frombuffer(owner, dtype=np.uint8)  # holds `owner`: the region lives as long as any view of it
     with _lock:
         bisect.insort(_bases, base)
         _regions[base] = (fd, ino, base, n)
-    weakref.finalize(m, _forget, base, fd)
+    weakref.finalize(owner, _release, base, n, fd)
     return arr
 
 
@@ -96,26 +123,44 @@ def region_of(spans: Sequence[Span]) -> Optional[Region]:
     hi = max(a + n for a, n in spans)
     with _lock:
         i = bisect.bisect_right(_bases, lo) - 1
-        if i < 0:
-            return None
-        r = _regions[_bases[i]]
-    return r if hi <= r[2] + r[3] else None
+        r = _regions.get(_bases[i]) if i >= 0 else None
+    return r if r is not None and hi <= r[2] + r[3] else None
 
 
 _memmove = ctypes.memmove  # a foreign call: runs without the GIL
+_shmem_dev: List[int] = []
+
+
+def _internal_shmem_dev() -> int:
+    """st_dev of the kernel's internal shmem mount, where every memfd without MFD_HUGETLB lives."""
+    if not _shmem_dev:
+        fd = os.memfd_create("easypyverbs-probe", os.MFD_CLOEXEC)
+        try:
+            _shmem_dev.append(os.fstat(fd).st_dev)
+        finally:
+            os.close(fd)
+    return _shmem_dev[0]
 
 
 class Mapped:
-    """One region of the peer, mapped read-only here."""
+    """One region of the peer, mapped read-only here (with our duplicate of its fd, to find holes)."""
 
-    def __init__(self, m: mmap.mmap, region: Region) -> None:
-        self.map, self.region = m, region
+    def __init__(self, m: mmap.mmap, fd: int, region: Region) -> None:
+        self.map, self.fd, self.region = m, fd, region
         self._arr: Optional[np.ndarray] = np.frombuffer(m, dtype=np.uint8)
         self.addr = int(self._arr.ctypes.data)
 
     def holds(self, spans: Sequence[Span]) -> bool:
         base, size = self.region[2], self.region[3]
         return all(base <= a and n >= 0 and a + n <= base + size for a, n in spans)
+
+    def allocated(self) -> bool:
+        """Is every page of the file allocated (no hole anywhere)? One fstat: the file's block count (SEEK_HOLE
+        or mincore over the spans cost 0.5-1.7 ms per 32 MiB request here, a fifth of the copy)."""
+        try:
+            return os.fstat(self.fd).st_blocks * 512 >= self.region[3]
+        except OSError:
+            return False
 
     def copy(self, remote: List[Span], local: List[Span]) -> None:
         """Copy the peer's bytes at `remote` (its addresses, inside this region) to `local` (ours)."""
@@ -139,41 +184,60 @@ class Mapped:
         self._arr = None
         try:
             self.map.close()
-        except BufferError:  # a copy helper still holds a view: the mapping goes when it does
+        except BufferError:  # cannot happen (no view is handed out); the mapping then goes with the object
+            pass
+        try:
+            os.close(self.fd)
+        except OSError:
             pass
 
 
 class PeerRegions:
-    """The regions of process `pid` that one responder has mapped (used by that responder's thread)."""
+    """The regions of process `pid` that one responder has mapped (used by that responder's thread only)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._maps: "collections.OrderedDict[Region, Mapped]" = collections.OrderedDict()
-        self._refused: set = set()
+        self._pidfd: Optional[int] = None
+        self._maps: "collections.OrderedDict[int, Mapped]" = collections.OrderedDict()  # by inode
+        self._refused: "collections.OrderedDict[Region, None]" = collections.OrderedDict()
         self.mapped_total = 0  # regions ever mapped (tests, doctor)
         self._pruned = time.monotonic()
 
+    def source(self, region: Region, spans: Sequence[Span]) -> Tuple[bool, Optional[Mapped]]:
+        """(spans lie inside the region, the mapping to copy them from or None to use process_vm_readv)."""
+        m = self.get(region)
+        if m is None:
+            return True, None
+        if not m.holds(spans):
+            return False, None
+        return True, m if m.allocated() else None
+
     def get(self, region: Region) -> Optional[Mapped]:
-        """The mapping of `region`, made on first use; None if it cannot be mapped (read the memory
-        with process_vm_readv instead)."""
+        """The mapping of `region`, made on first use; None if it cannot be mapped (read the memory with
+        process_vm_readv instead)."""
         now = time.monotonic()
         if now - self._pruned > PRUNE_EVERY_S:
             self._prune()
-        got = self._maps.get(region)
+        got = self._maps.get(region[1])
         if got is not None:
-            self._maps.move_to_end(region)
+            if got.region != region:
+                return None  # the same file named otherwise (another fd, base or size): not this mapping
+            self._maps.move_to_end(region[1])
             return got
         if region in self._refused:
             return None
         try:
-            got = Mapped(self._map(region), region)
+            got = self._map(region)
         except (OSError, ValueError) as exc:
-            self._refused.add(region)
-            log.info("soft: cannot map region fd %d of pid %d (%s); reading it with process_vm_readv",
-                     region[0], self.pid, exc)
+            if not self._refused:  # once per QP: a peer must not be able to fill the log
+                log.info("soft: cannot map region fd %d of pid %d (%s); reading it with process_vm_readv",
+                         region[0], self.pid, exc)
+            self._refused[region] = None
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
             return None
         self._prune()
-        self._maps[region] = got
+        self._maps[region[1]] = got
         self.mapped_total += 1
         while len(self._maps) > MAX_MAPPED:
             self._maps.popitem(last=False)[1].close()
@@ -181,43 +245,52 @@ class PeerRegions:
 
     def _prune(self) -> None:
         """Unmap the regions the peer has freed (its fd closed or now another file), so that a mapping here
-        does not keep memory alive that the peer let go of (longer than until its next request naming a region,
-        or PRUNE_EVERY_S, or the end of the QP)."""
+        does not keep memory alive that the peer let go of."""
         self._pruned = time.monotonic()
-        for r in list(self._maps):
+        for ino, m in list(self._maps.items()):
             try:
-                gone = os.stat(f"/proc/{self.pid}/fd/{int(r[0])}").st_ino != r[1]
+                gone = os.stat(f"/proc/{self.pid}/fd/{int(m.region[0])}").st_ino != ino
             except OSError:
                 gone = True
             if gone:
-                self._maps.pop(r).close()
+                self._maps.pop(ino).close()
 
-    def _map(self, region: Region) -> mmap.mmap:
+    def _map(self, region: Region) -> Mapped:
         fd_no, ino, _base, size = region
         if not 0 < size <= MAX_REGION_BYTES:
             raise ValueError(f"region of {size} bytes")
-        path = f"/proc/{self.pid}/fd/{int(fd_no)}"
-        if not os.readlink(path).startswith(f"/memfd:{NAME}"):
-            raise ValueError("not a shared region of this provider")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if self._pidfd is None:
+            self._pidfd = os.pidfd_open(self.pid)
+        fd = _libc.syscall(_SYS_PIDFD_GETFD, self._pidfd, int(fd_no), 0)  # a duplicate: nothing is reopened
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd: {os.strerror(err)}")
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_ino != ino or st.st_size < size:
-                raise ValueError("the fd is not the region named (inode or size differ)")
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != _internal_shmem_dev() or st.st_ino != ino:
+                raise ValueError("not the memfd named (another kind of file, mount or inode)")
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{NAME}"):
+                raise ValueError("not a shared region of this provider")
             # a file that could shrink under the mapping would fault this process (SIGBUS) on a read
             if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise ValueError("the region is not sealed against shrinking")
-            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
+            if st.st_size != size:
+                raise ValueError(f"the file holds {st.st_size} bytes, the region names {size}")
+            return Mapped(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), fd, region)
+        except BaseException:
             os.close(fd)
+            raise
 
     def close(self) -> None:
         while self._maps:
             self._maps.popitem()[1].close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def self_test() -> Tuple[bool, str]:
-    """Whether shared regions can be mapped here (doctor): one of ours, through /proc, read back."""
+    """Whether shared regions can be mapped here (doctor): one of ours, through pidfd_getfd, read back."""
     try:
         arr = shared_array(4096)
         arr[:16] = np.frombuffer(b"easypyverbs-shm!", dtype=np.uint8)
@@ -227,12 +300,12 @@ def self_test() -> Tuple[bool, str]:
             region = region_of([(base, 16)])
             m = regions.get(region) if region is not None else None
             if m is None:
-                return False, "a memfd region could not be mapped through /proc (process_vm_readv is used)"
+                return False, "a memfd region could not be mapped (pidfd_getfd); process_vm_readv is used"
             got = np.zeros(16, dtype=np.uint8)
             m.copy([(base, 16)], [(int(got.ctypes.data), 16)])
         finally:
             regions.close()
         ok = got.tobytes() == b"easypyverbs-shm!"
         return ok, "memfd regions map and read back" if ok else "a mapped memfd region read back wrong bytes"
-    except (OSError, ValueError, AttributeError) as exc:  # no memfd_create, no sealing, /proc unreadable
+    except (OSError, ValueError, AttributeError) as exc:  # no memfd_create, no sealing, no pidfd_getfd
         return False, f"shared memory unusable ({exc}); process_vm_readv is used"
