@@ -8,6 +8,8 @@ import gc
 import mmap
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -186,3 +188,32 @@ def test_channel_transfer_from_shared_memory_then_sender_killed_leaves_nothing_m
         p.proc.kill()
         p.proc.wait()
         p.conn.close()
+
+
+def test_a_region_the_requester_frees_is_unmapped_while_the_qp_idles():
+    n = 1 << 20
+    a, b, src, mr = _pair_with_shared_source(n)
+    try:
+        a.qp.post_write(mr.sge(0, n), b.mr.remote())
+        assert a.cq.wait_n(1, 20)[0].ok
+        assert b.qp._regions.mapped == 1
+        mr.close()
+        del src, mr
+        gc.collect()
+        deadline = time.monotonic() + 10  # PRUNE_EVERY_S, and no further request comes
+        while b.qp._regions.mapped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b.qp._regions.mapped == 0
+    finally:
+        close_pair([a, b])
+
+
+def test_interpreter_exit_with_a_thread_still_copying_shared_memory_is_clean():
+    code = ("import threading, ctypes, easypyverbs as ev\n"
+            "a = ev.buffers.shared_array(64 << 20); b = bytearray(64 << 20)\n"
+            "dst = (ctypes.c_char * len(b)).from_buffer(b)\n"
+            "def spin():\n"
+            "    while True: ctypes.memmove(dst, a.ctypes.data, len(b))\n"
+            "threading.Thread(target=spin, daemon=True).start()\n")
+    for _ in range(3):
+        assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -8,6 +8,7 @@ from the requester's memory, samehost.py), and answers ACK/NAK, delayed by the l
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import time
 from typing import Any, List, Optional, Tuple
@@ -75,6 +76,8 @@ class Responder:
         expected = psn
         while True:
             try:
+                if self._regions is not None:
+                    self._await_request(rd, self._regions)
                 rd.read_into(hdr)
                 magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
                 due = time.monotonic() + due_us / 1e6 + fwd_delay_s
@@ -104,6 +107,18 @@ class Responder:
                 log.exception("soft QP %d responder failed", self.qpn)  # type: ignore[attr-defined]
                 self._enter_error(WCStatus.WR_FLUSH_ERR, f"responder failed: {type(exc).__name__}: {exc}")
                 return
+
+    @staticmethod
+    def _await_request(rd: wire.Reader, regions: shm.PeerRegions) -> None:
+        """Before reading the next request: unmap the peer's freed regions now and then, and while none has
+        come (so that a mapping does not keep memory alive that the peer let go of while this QP idles)."""
+        regions.maybe_prune()
+        if not regions.mapped or rd.buffered() or not isinstance(rd.sock, socket.socket):
+            return  # (a TLS stream may hold decrypted bytes its socket does not show: read it as before)
+        poller = select.poll()
+        poller.register(rd.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        while regions.mapped and not poller.poll(shm.PRUNE_EVERY_S * 1000):
+            regions.maybe_prune()
 
     def _read_spans(self, rd: wire.Reader, length: int) -> Optional[Pulled]:
         """The (address, length) spans of a same-host request, and the mapping of the shared region they

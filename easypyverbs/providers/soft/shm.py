@@ -14,15 +14,16 @@ Responder: `PeerRegions` takes a duplicate of the named fd from the requester wi
 needs the permission process_vm_readv needs: the path's proof already showed it; no file is reopened, so
 nothing can block or be opened with the responder's credentials), and maps it read-only once it is a
 regular file on the kernel's internal shmem mount (not hugetlbfs: a hole there faults a reader with
-SIGBUS), named as this provider's, of the inode and exact size named, and sealed against shrinking (a
+SIGBUS; mount and inode read from /proc/self/fdinfo before its filesystem is asked anything), named as
+this provider's, of the inode and exact size named, and sealed against shrinking (a
 file cut short under the mapping would fault this process). Every span must lie inside the region, or
 the request is refused; while the file has a hole anywhere (a buffer not yet written whole), requests
 are read with process_vm_readv instead (a read fault on a hole would allocate memory charged to the
 responder). A region that cannot be mapped is read
 with process_vm_readv as before. The mappings belong to the responder thread of one QP: at most
-MAX_MAPPED, one per inode, each at most MAX_REGION_BYTES; a region the peer has freed is unmapped at the
-next request naming a region once PRUNE_EVERY_S has passed, or when a new region is mapped, and all are
-unmapped when the thread ends (a peer that dies mid-transfer leaves nothing mapped here; a memfd holds
+MAX_MAPPED, one per inode, each at most MAX_REGION_BYTES; a region the peer has freed (its fd, seen in
+/proc/<pid>/fdinfo, closed or another file) is unmapped within PRUNE_EVERY_S, between requests or while
+the responder waits for one, and all are unmapped when the thread ends (a peer that dies mid-transfer leaves nothing mapped here; a memfd holds
 no name in /dev/shm or anywhere else, its memory goes with the last mapping). What a peer can still do:
 punch a hole between the check and the copy (F_SEAL_SHRINK allows it), and the read there allocates a
 page charged to the responder: at most the region's size.
@@ -68,7 +69,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.syscall.restype = ctypes.c_long
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (a collection inside the lock may release a region on the same thread)
 _bases: List[int] = []  # sorted base addresses of live regions in this process
 _regions: Dict[int, Region] = {}  # base -> region
 
@@ -95,23 +96,28 @@ def shared_array(nbytes: int) -> np.ndarray:
     of it) is gone. OSError where memfds cannot be made (the caller may fall back to private memory)."""
     n = max(1, int(nbytes))
     fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    base = None
     try:
         os.ftruncate(fd, n)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)  # see PeerRegions._map
         base = _libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if base is None or base == _MAP_FAILED:
+            base = None
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of a {n}-byte memfd: {os.strerror(err)}")
-        ino = os.fstat(fd).st_ino
+        region = (fd, os.fstat(fd).st_ino, base, n)  # (built outside the lock: it may run a collection)
+        owner = (ctypes.c_uint8 * n).from_address(base)
+        arr = np.frombuffer(owner, dtype=np.uint8)  # holds `owner`: the region lives as long as any view of it
     except BaseException:
+        if base is not None:
+            _libc.munmap(base, n)
         os.close(fd)
         raise
-    owner = (ctypes.c_uint8 * n).from_address(base)
-    arr = np.frombuffer(owner, dtype=np.uint8)  # holds `owner`: the region lives as long as any view of it
     with _lock:
         bisect.insort(_bases, base)
-        _regions[base] = (fd, ino, base, n)
-    weakref.finalize(owner, _release, base, n, fd)
+        _regions[base] = region
+    # not at interpreter exit: a daemon thread (a NIC's copy) may still touch the memory then; the kernel frees it
+    weakref.finalize(owner, _release, base, n, fd).atexit = False
     return arr
 
 
@@ -128,18 +134,33 @@ def region_of(spans: Sequence[Span]) -> Optional[Region]:
 
 
 _memmove = ctypes.memmove  # a foreign call: runs without the GIL
-_shmem_dev: List[int] = []
+_shmem_mount: List[int] = []
 
 
-def _internal_shmem_dev() -> int:
-    """st_dev of the kernel's internal shmem mount, where every memfd without MFD_HUGETLB lives."""
-    if not _shmem_dev:
+def _fd_identity(pid: str, fd: int) -> Optional[Tuple[int, int]]:
+    """(mount id, inode) of file descriptor `fd` of process `pid` ("self" for this one), from
+    /proc/<pid>/fdinfo: read from the open file itself, so no filesystem is asked (a stat through a hung
+    NFS or FUSE mount would block); None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{int(fd)}", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return int(fields[b"mnt_id"]), int(fields[b"ino"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _internal_shmem_mount() -> int:
+    """The mount id of the kernel's internal shmem mount, where every memfd without MFD_HUGETLB lives."""
+    if not _shmem_mount:
         fd = os.memfd_create("easypyverbs-probe", os.MFD_CLOEXEC)
         try:
-            _shmem_dev.append(os.fstat(fd).st_dev)
+            ident = _fd_identity("self", fd)
         finally:
             os.close(fd)
-    return _shmem_dev[0]
+        if ident is None:
+            raise OSError(2, "/proc/self/fdinfo shows no mount id or inode")
+        _shmem_mount.append(ident[0])
+    return _shmem_mount[0]
 
 
 class Mapped:
@@ -215,9 +236,7 @@ class PeerRegions:
     def get(self, region: Region) -> Optional[Mapped]:
         """The mapping of `region`, made on first use; None if it cannot be mapped (read the memory with
         process_vm_readv instead)."""
-        now = time.monotonic()
-        if now - self._pruned > PRUNE_EVERY_S:
-            self._prune()
+        self.maybe_prune()
         got = self._maps.get(region[1])
         if got is not None:
             if got.region != region:
@@ -248,12 +267,18 @@ class PeerRegions:
         does not keep memory alive that the peer let go of."""
         self._pruned = time.monotonic()
         for ino, m in list(self._maps.items()):
-            try:
-                gone = os.stat(f"/proc/{self.pid}/fd/{int(m.region[0])}").st_ino != ino
-            except OSError:
-                gone = True
-            if gone:
+            ident = _fd_identity(str(self.pid), m.region[0])
+            if ident is None or ident != (_internal_shmem_mount(), ino):
                 self._maps.pop(ino).close()
+
+    @property
+    def mapped(self) -> int:
+        return len(self._maps)
+
+    def maybe_prune(self) -> None:
+        """Prune if PRUNE_EVERY_S has passed (the responder calls it between requests and while idle)."""
+        if self._maps and time.monotonic() - self._pruned > PRUNE_EVERY_S:
+            self._prune()
 
     def _map(self, region: Region) -> Mapped:
         fd_no, ino, _base, size = region
@@ -266,11 +291,14 @@ class PeerRegions:
             err = ctypes.get_errno()
             raise OSError(err, f"pidfd_getfd: {os.strerror(err)}")
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_dev != _internal_shmem_dev() or st.st_ino != ino:
-                raise ValueError("not the memfd named (another kind of file, mount or inode)")
+            # who the file is, before asking its filesystem anything (an fstat on a hung mount would block)
+            if _fd_identity("self", fd) != (_internal_shmem_mount(), ino):
+                raise ValueError("not the memfd named (another mount or inode)")
             if not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{NAME}"):
                 raise ValueError("not a shared region of this provider")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
             # a file that could shrink under the mapping would fault this process (SIGBUS) on a read
             if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise ValueError("the region is not sealed against shrinking")
