@@ -366,6 +366,21 @@ def test_a_buffered_put_queues_its_sends_before_its_copy_and_a_failure_before_th
     assert res.get("error") is None and res["w2"] == sha(big), res
 
 
+def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
+    """Both parties on this host (the soft provider's same-host path on): a buffered put copies into shared
+    memory, which the peer's NIC maps instead of reading with process_vm_readv."""
+    from easypyverbs.providers.soft import shm
+
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s9s")
+    w = fed.fate_rdma
+    big = [np.random.default_rng(8).standard_normal(600_000)]
+    ctx.hosts[0].put("w", big)
+    assert w.endpoint.same_host_capable and w._put_copies.shared and w.stats["buffered_puts"] == 1
+    assert any(shm.region_of([(int(b.ctypes.data), b.nbytes)]) is not None for b in w._put_copies._bufs)
+    assert host_result(host)["w"] == sha(big)
+
+
 def test_put_buffer_off_waits_for_delivery(guest):
     eps = endpoints()
     ctx, fed, host = guest(section(eps, put_buffer_bytes=0), section(eps), "s9")

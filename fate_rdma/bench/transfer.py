@@ -243,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
                                         transfer_timeout_s=3600, no_progress_timeout_s=120, checksum=args.checksum,
                                         same_host=scen != "loopback-tcp", secret_file=secret,
                                         **(tls_files if tls else {}))
-                    res = _channel(peer, data, cfg, reps, _Put(how, args.put_memory, data, args.checksum, args.source == "shared") if how else None)
+                    put = _Put(how, args.put_memory, data, args.checksum, args.source == "shared") if how else None
+                    res = _channel(peer, data, cfg, reps, put)
                     method = f"{mode} put: {PUT_LABELS[how]} ({args.put_memory})" if how else mode
                     add({"scenario": scen, "method": method, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
                          "provider": res["provider"], "emulated": res["emulated"], "label": res["label"],

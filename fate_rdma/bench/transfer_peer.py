@@ -104,7 +104,7 @@ def serve(host: str, port: int) -> int:
             msg.release()
             counter.hit(n, rec)
 
-    held: List[Any] = []  # send_shared's buffers, kept while their transfers may run
+    held: List[Any] = []  # the buffer of a send_shared that did not wait for its transfer
     try:
         while True:
             cmd: Dict[str, Any] = conn.recv(timeout_s=3600)
@@ -157,8 +157,8 @@ def serve(host: str, port: int) -> int:
                 buf = shared_array(int(cmd["nbytes"]))
                 buf[:4] = (1, 2, 3, 4)
                 fut = ep.send(cmd["address"], buf)  # type: ignore[union-attr]
-                held.append(buf)
                 if not cmd.get("wait", True):
+                    held[:] = [buf]  # kept while its transfer may run (the last one only)
                     conn.send({"ok": True})
                     continue
                 try:

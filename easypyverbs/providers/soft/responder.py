@@ -166,7 +166,7 @@ class Responder:
         return True
 
     def _serve(self, rd: wire.Reader, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
-               imm: int, due: float, spans: Optional[Pulled] = None) -> None:
+               imm: int, due: float, pulled: Optional[Pulled] = None) -> None:
         sock = rd.sock  # answers go out on it; every byte in comes through `rd`
         if op == wire.OP_READ:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
@@ -181,19 +181,19 @@ class Responder:
             mr = self._find_mr(rkey, raddr, length, Access.REMOTE_WRITE)
             view = mr.begin_remote(raddr - mr.addr, length) if mr is not None else None
             if view is None:
-                self._drain(rd, length, spans)
+                self._drain(rd, length, pulled)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
                 return
             try:
                 recv = self._take_recv() if has_imm else None
                 if has_imm and recv is None:
-                    self._drain(rd, length, spans)
+                    self._drain(rd, length, pulled)
                     self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
                     return
                 landing = mr.landing.begin(raddr - mr.addr, length) if mr.landing is not None else None
                 placed = False
                 try:
-                    placed = self._place(rd, spans, [view], due, psn, landing)
+                    placed = self._place(rd, pulled, [view], due, psn, landing)
                 finally:
                     if landing is not None:
                         landing.end(placed)
@@ -211,12 +211,12 @@ class Responder:
             return
         recv = self._take_recv()  # SEND
         if recv is None:
-            self._drain(rd, length, spans)
+            self._drain(rd, length, pulled)
             self._answer(sock, due, wire.NAK, psn, WCStatus.RNR_RETRY_EXC_ERR)
             return
         wr_id, sges = recv
         if length > sum(s.length for s in sges):
-            self._drain(rd, length, spans)
+            self._drain(rd, length, pulled)
             wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qpn)
             self._answer(sock, due, wire.NAK, psn, WCStatus.REM_INV_REQ_ERR, wc=wc, then_error=True)
             return
@@ -226,13 +226,13 @@ class Responder:
             if k:
                 targets.append(s.view()[:k])
             left -= k
-        if not self._place(rd, spans, targets, due, psn):
+        if not self._place(rd, pulled, targets, due, psn):
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
-    def _drain(self, rd: wire.Reader, length: int, spans: Optional[List[Any]] = None) -> None:
-        if spans is not None:
+    def _drain(self, rd: wire.Reader, length: int, pulled: Optional[Pulled] = None) -> None:
+        if pulled is not None:
             return  # same-host path: the payload never came over the socket
         if self._scratch is None:
             self._scratch = memoryview(bytearray(1 << 20))

@@ -12,6 +12,8 @@ PID namespace, permission to read the other's memory): the requester puts 16 ran
 memory and the responder must read them back through process_vm_readv before the path is used,
 so a pid that names another process, or a peer on another host, falls back to TCP; so does a
 peer in another network namespace (it stands for another site: its bytes must cross that network).
+Where the requester's bytes lie in shared memory it allocated (shm.py), the responder copies them
+from a mapping of it instead (`read_from(src=...)`), the same split across threads.
 Off with `EASYPYVERBS_SOFT_SAME_HOST=off` or `open_device(provider="soft", same_host=False)`; never
 used with a link model (that emulates a WAN).
 """

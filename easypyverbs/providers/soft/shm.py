@@ -1,7 +1,7 @@
 """The soft provider's same-host path, second way: memory that the requester allocated as shared (a memfd,
 `shared_array`) is read by the responder through a read-only mapping of it, with a plain memcpy, instead
-of through process_vm_readv. The kernel's cross-process copy pins every page it reads and copies at about
-half memcpy's speed here (1 GiB with an XXH3 of each piece, two threads: 146 ms by process_vm_readv, 95 ms
+of through process_vm_readv. The kernel's cross-process copy pins every page it reads and copies at half to
+two thirds of memcpy's speed here (1 GiB with an XXH3 of each piece, two threads: 146 ms by process_vm_readv, 95 ms
 from the mapping; scratch measurement on the 2-core test machine, 2026-11-26).
 
 Requester: `shared_array(n)` gives a numpy byte array over a memfd named "easypyverbs-shm", sealed against
@@ -15,16 +15,16 @@ needs the permission process_vm_readv needs: the path's proof already showed it;
 nothing can block or be opened with the responder's credentials), and maps it read-only once it is a
 regular file on the kernel's internal shmem mount (not hugetlbfs: a hole there faults a reader with
 SIGBUS; mount and inode read from /proc/self/fdinfo before its filesystem is asked anything), named as
-this provider's, of the inode and exact size named, and sealed against shrinking (a
-file cut short under the mapping would fault this process). Every span must lie inside the region, or
-the request is refused; while the file has a hole anywhere (a buffer not yet written whole), requests
-are read with process_vm_readv instead (a read fault on a hole would allocate memory charged to the
-responder). A region that cannot be mapped is read
-with process_vm_readv as before. The mappings belong to the responder thread of one QP: at most
-MAX_MAPPED, one per inode, each at most MAX_REGION_BYTES; a region the peer has freed (its fd, seen in
-/proc/<pid>/fdinfo, closed or another file) is unmapped within PRUNE_EVERY_S, between requests or while
-the responder waits for one, and all are unmapped when the thread ends (a peer that dies mid-transfer leaves nothing mapped here; a memfd holds
-no name in /dev/shm or anywhere else, its memory goes with the last mapping). What a peer can still do:
+this provider's, of the inode and exact size named, and sealed against shrinking (a file cut short
+under the mapping would fault this process). Every span must lie inside the region, or the request is
+refused; while the file has a hole anywhere (a buffer not yet written whole), requests are read with
+process_vm_readv instead (a read fault on a hole would allocate memory charged to the responder). A
+region that cannot be mapped is read with process_vm_readv as before. The mappings belong to the
+responder thread of one QP: at most MAX_MAPPED, one per inode, each at most MAX_REGION_BYTES; a region
+the peer has freed (its fd, seen in /proc/<pid>/fdinfo, closed or another file) is unmapped within
+PRUNE_EVERY_S, between requests or while the responder waits for one, and all are unmapped when the
+thread ends (a peer that dies mid-transfer leaves nothing mapped here; a memfd holds no name in /dev/shm
+or anywhere else, its memory goes with the last mapping). What a peer can still do:
 punch a hole between the check and the copy (F_SEAL_SHRINK allows it), and the read there allocates a
 page charged to the responder: at most the region's size.
 """
@@ -52,7 +52,7 @@ NAME = "easypyverbs-shm"
 MAX_MAPPED = 16
 #: regions a responder remembers it could not map (each is then read with process_vm_readv)
 MAX_REFUSED = 64
-#: a responder looks this often (at its next request naming a region) for regions the peer has freed
+#: a responder looks this often (between requests, and while it waits for one) for regions the peer has freed
 PRUNE_EVERY_S = 1.0
 #: the largest region a responder maps (a peer cannot make us map more address space than this)
 MAX_REGION_BYTES = 256 << 30
@@ -164,7 +164,7 @@ def _internal_shmem_mount() -> int:
 
 
 class Mapped:
-    """One region of the peer, mapped read-only here (with our duplicate of its fd, to find holes)."""
+    """One region of the peer, mapped read-only here (with our duplicate of its fd, to see whether it has holes)."""
 
     def __init__(self, m: mmap.mmap, fd: int, region: Region) -> None:
         self.map, self.fd, self.region = m, fd, region
