@@ -65,6 +65,29 @@ def test_bench_verbs_lines_are_labelled():
     assert "target: soft (emulated, not RDMA)" in out.stdout
 
 
+def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():
+    from fate_rdma.bench.transfer import _paired
+
+    # the median of the pairs' ratios, not the ratio of the medians (2 / 2 here)
+    assert _paired({"paired": [1.0, 2.0, 6.0], "times": [2.0, 4.0, 2.0]}) == \
+        {"paired_raw_tcp_seconds": 2.0, "x_raw_tcp": 0.5}
+    assert _paired({"paired": [], "times": [1.0]}) == {}
+    base = [sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--payload-mib", "4", "--reps", "2",
+            "--scenarios", "loopback-tcp", "--methods", "raw_tcp,fedrdma-e", "--windows", "auto"]
+    for extra, paired in (([], True), (["--unpaired"], False)):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows = {r["method"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+        e = rows["fedrdma-e"]
+        if paired:
+            assert e["x_raw_tcp"] > 0 and e["paired_raw_tcp_seconds"] > 0
+            assert f"{e['x_raw_tcp']:.2f} (median of 2 pairs, each right after a raw TCP transfer; " \
+                f"{rows['raw_tcp']['seconds'] / e['seconds']:.2f} (against the raw TCP row)) (target >= 0.95)" in out.stdout
+        else:
+            assert "x_raw_tcp" not in e
+            assert f"{rows['raw_tcp']['seconds'] / e['seconds']:.2f} (against the raw TCP row)" in out.stdout
+
+
 def test_demo_small():
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "demo", "--parts", "3", "--params", "3000000", "--msg-mib", "4"],
                          capture_output=True, text=True, timeout=120)
