@@ -73,19 +73,22 @@ def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():
         {"paired_raw_tcp_seconds": 2.0, "x_raw_tcp": 0.5}
     assert _paired({"paired": [], "times": [1.0]}) == {}
     base = [sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--payload-mib", "4", "--reps", "2",
-            "--scenarios", "loopback-tcp", "--methods", "raw_tcp,fedrdma-e", "--windows", "auto"]
+            "--scenarios", "loopback-tcp,link-10g-20ms", "--methods", "raw_tcp,fedrdma-e", "--windows", "auto"]
     for extra, paired in (([], True), (["--unpaired"], False)):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stdout + out.stderr
-        rows = {r["method"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
-        e = rows["fedrdma-e"]
+        rows = {(r["scenario"], r["method"]): r
+                for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+        e, raw = rows[("loopback-tcp", "fedrdma-e")], rows[("loopback-tcp", "raw_tcp")]
+        assert "x_raw_tcp" not in rows[("link-10g-20ms", "fedrdma-e")]  # the link model has no raw TCP to pair
+        block = f"{raw['seconds'] / e['seconds']:.2f}"
         if paired:
             assert e["x_raw_tcp"] > 0 and e["paired_raw_tcp_seconds"] > 0
-            assert f"{e['x_raw_tcp']:.2f} (median of 2 pairs, each right after a raw TCP transfer; " \
-                f"{rows['raw_tcp']['seconds'] / e['seconds']:.2f} (against the raw TCP row)) (target >= 0.95)" in out.stdout
+            assert f"{e['x_raw_tcp']:.2f} (median of 2 pairs, each beside a raw TCP transfer; {block} against the " \
+                "raw TCP row) (target >= 0.95)" in out.stdout
         else:
-            assert "x_raw_tcp" not in e
-            assert f"{rows['raw_tcp']['seconds'] / e['seconds']:.2f} (against the raw TCP row)" in out.stdout
+            assert "x_raw_tcp" not in e and "median of" not in out.stdout
+            assert f"{block} (against the raw TCP row) (target >= 0.95)" in out.stdout
 
 
 def test_demo_small():

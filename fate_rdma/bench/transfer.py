@@ -23,9 +23,13 @@ with the `mooncake` extra missing its rows say so and how to install it. `cpu_se
 process over the measured transfer, per GB moved (medians): what the method costs the two hosts,
 which wall time on a shared machine hides (a method that busy-polls spends CPU while it waits).
 The raw TCP, gRPC and Mooncake rows run once, under the first loopback scenario asked for. With raw_tcp
-among the methods, every fedrdma/fedrdma-e transfer on loopback runs right after a raw TCP transfer of the
-same payload (not with `--unpaired`), and its row's `x_raw_tcp` is the median of those pairs' throughput
-ratios: the verdicts use it, since this machine's speed drifts by 20-40 % between one row and the next.
+among the methods, every fedrdma/fedrdma-e transfer on loopback is paired with a raw TCP transfer of the
+same payload, run right before it in odd repetitions and right after it in even ones (each method's
+transfer follows the other's equally often; not with `--unpaired`), and its row's `x_raw_tcp` is the
+median of those pairs' throughput ratios: the verdicts print it beside the ratio against the raw TCP
+row, since a shared machine's speed drifts between one row and the next. On loopback the channel's
+warm-up sends the whole payload, as raw TCP's does, so neither's measured transfers fault in receive
+memory; a first transfer's passing growth (a slot grown for it) is not in `extra_rss_bytes`.
 With `--puts copy,overlap` every fedrdma-e row is measured again as a buffered put of the FATE wrapper
 sends it: the payload copied (into recycled or, `--put-memory fresh`, new memory) and then sent, or
 copied back to front while the chunks already copied go; seconds from the copy's start. `--source`: the
@@ -36,6 +40,7 @@ fedrdma row names it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -97,8 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "allocation, as a model's tensors; a same-host peer reads it with process_vm_readv)")
     p.add_argument("--unpaired", action="store_true",
                    help="do not pair: by default (with raw_tcp among the methods) every loopback fedrdma/fedrdma-e "
-                        "transfer runs right after a raw TCP transfer of the same payload, and its row's x_raw_tcp is "
-                        "the median of those pairs' throughput ratios, which the verdicts use")
+                        "transfer is paired with a raw TCP transfer of the same payload run right before or (every "
+                        "other repetition) right after it, and its row's x_raw_tcp is the median of those pairs' "
+                        "throughput ratios, which the verdicts print")
     p.add_argument("--tls", action="store_true",
                    help="each fedrdma/fedrdma-e row once more with tls: true (mutual TLS on the bootstrap and the soft "
                         "provider's data connections; certificates from a throwaway CA): the cost of TLS beside it")
@@ -159,8 +165,9 @@ class _Put:
 
 def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int,
              put: Optional[_Put] = None, pair: Optional[Callable[[], float]] = None) -> Dict[str, Any]:
-    """`reps` transfers of `data` with `cfg`; with `pair`, each one right after a raw TCP transfer of the same
-    payload (`pair` returns its seconds), so that the two see the machine in the same state."""
+    """`reps` transfers of `data` with `cfg`; with `pair`, each one beside a raw TCP transfer of the same payload
+    (`pair` returns its seconds), before it in odd repetitions and after it in even ones, so that the two see
+    the machine in the same state and neither always follows the other."""
     reply = peer.cmd({"cmd": "endpoint", "config": {k: v for k, v in cfg.__dict__.items()}})
     times, rss, cpu_send, cpu_recv, paired = [], [], [], [], []
     info: Dict[str, Any] = {}
@@ -170,11 +177,11 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int,
         count = peer.cmd({"cmd": "mark"})["count"]
         # connects, probes the RTT; on loopback the whole payload, as raw TCP's warm-up, so that neither's first
         # measured transfer faults in its receive memory (a link scenario's wire time dwarfs that)
-        ep.send(reply["address"], b"warm-up" if cfg.soft_link else data).result(cfg.transfer_timeout_s)
+        ep.send(reply["address"], b"warm-up" if cfg.soft_link else data).result(60 if cfg.soft_link else cfg.transfer_timeout_s)
         peer.cmd({"cmd": "expect", "count": count + 1})
         path = getattr(ep.connect(reply["address"]).rcs[0].qp, "data_path", "verbs")
-        for _ in range(reps):
-            if pair is not None:
+        for i in range(reps):
+            if pair is not None and i % 2 == 0:
                 paired.append(pair())
             mark = peer.cmd({"cmd": "mark"})
             c0, t0 = cpu_s(), time.perf_counter()
@@ -188,6 +195,8 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int,
             # fedrdma its destination (the payload), fedrdma-e its registered pool
             held = data.nbytes if cfg.mode == "fedrdma" else r["pool_bytes"]
             rss.append(max(0, r["endpoint_rss_bytes"] - held))
+            if pair is not None and i % 2 == 1:
+                paired.append(pair())
         emulated, provider, label = ep.ctx.emulated, ep.ctx.provider, ep.ctx.label
     return {"times": times, "rss": rss, "cpu_send": cpu_send, "cpu_recv": cpu_recv, "paired": paired,
             "window": info.get("window"), "chunks": info.get("chunks"),
@@ -235,13 +244,15 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
         emit(row)
 
-    baselines_done, raw = False, None
-    with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer:
+    baselines_done, raw = False, None  # raw: the baselines' raw TCP connection, kept open for pairing
+    with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer, contextlib.ExitStack() as closing:
         for scen in scenarios:
             link = SCENARIOS[scen]
             if link is None and not baselines_done:  # once: the same TCP over loopback serves both loopback scenarios
                 baselines_done = True
                 raw = _baselines(peer, scen, methods, data, reps, add)
+                if raw is not None:
+                    closing.callback(raw.close)
             elif link is not None:
                 add({"scenario": scen, "method": "wire_time", "window": None, "provider": "model", "emulated": True,
                      "seconds": round(nbytes * 8 / RATES[scen], 4), "extra_rss_bytes": None, "chunks": None})
@@ -257,8 +268,7 @@ def run(args: argparse.Namespace) -> int:
                                         same_host=scen != "loopback-tcp", secret_file=secret,
                                         **(tls_files if tls else {}))
                     put = _Put(how, args.put_memory, data, args.checksum, args.source == "shared") if how else None
-                    pair = (lambda: raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes)) \
-                        if raw is not None and link is None and not args.unpaired else None
+                    pair = _pair(raw, data) if raw is not None and link is None and not args.unpaired else None
                     res = _channel(peer, data, cfg, reps, put, pair)
                     method = f"{mode} put: {PUT_LABELS[how]} ({args.put_memory})" if how else mode
                     add({"scenario": scen, "method": method, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
@@ -267,8 +277,6 @@ def run(args: argparse.Namespace) -> int:
                          "seconds": round(median(res["times"]), 4),
                          "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"], **_paired(res)},
                         res["cpu_send"], res["cpu_recv"])
-        if raw is not None:
-            raw.close()
     print()
     table([dict(r, rss=human_bytes(r["extra_rss_bytes"]) if r.get("extra_rss_bytes") is not None else "-",
                 seconds=r.get("seconds", "skipped"), cpu_snd=r.get("cpu_send_s_per_gb", "-"),
@@ -285,8 +293,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair(raw: RawTcp, data: np.ndarray) -> Callable[[], float]:
+    """One raw TCP transfer of `data` on the baselines' open connection, its seconds: a channel row's pair."""
+    return lambda: raw.stream(memoryview(data), 4 * MiB, data.nbytes, data.nbytes)
+
+
 def _paired(res: Dict[str, Any]) -> Dict[str, Any]:
-    """A row's raw TCP transfers run right before each of its own (paired_raw_tcp_seconds, their median) and
+    """A row's raw TCP transfers, each run beside one of its own (paired_raw_tcp_seconds, their median), and
     x_raw_tcp: the median over those pairs of raw TCP's time / the row's (a throughput ratio), which the
     machine's drift between the raw TCP row and this one does not move."""
     if not res["paired"]:
@@ -300,20 +313,32 @@ def _baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarra
     """Raw TCP, gRPC and Mooncake TE over loopback TCP, each against the same payload. The raw TCP connection
     stays open (returned) for the channel's rows to pair their transfers with."""
     nbytes = data.nbytes
-    raw = None
-    if "raw_tcp" in methods:
-        raw = RawTcp(peer)
-        raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes)  # warm-up
-        ts, cpu_send, cpu_recv = [], [], []
-        for _ in range(reps):
-            c_recv = peer.cmd({"cmd": "mark"})["cpu_s"]
-            c_send = cpu_s()
-            ts.append(raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes))
-            cpu_send.append(cpu_s() - c_send)
-            cpu_recv.append(peer.cmd({"cmd": "cpu"})["cpu_s"] - c_recv)
-        r = peer.cmd({"cmd": "peak"})
-        add({"scenario": scen, "method": "raw_tcp", "window": None, "provider": "tcp", "path": "tcp", "emulated": False,
-             "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"], "chunks": None}, cpu_send, cpu_recv)
+    raw = RawTcp(peer) if "raw_tcp" in methods else None
+    try:
+        if raw is not None:
+            raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes)  # warm-up
+            ts, cpu_send, cpu_recv = [], [], []
+            for _ in range(reps):
+                c_recv = peer.cmd({"cmd": "mark"})["cpu_s"]
+                c_send = cpu_s()
+                ts.append(raw.stream(memoryview(data), 4 * MiB, nbytes, nbytes))
+                cpu_send.append(cpu_s() - c_send)
+                cpu_recv.append(peer.cmd({"cmd": "cpu"})["cpu_s"] - c_recv)
+            r = peer.cmd({"cmd": "peak"})
+            add({"scenario": scen, "method": "raw_tcp", "window": None, "provider": "tcp", "path": "tcp",
+                 "emulated": False, "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"],
+                 "chunks": None}, cpu_send, cpu_recv)
+        _other_baselines(peer, scen, methods, data, reps, add)
+    except BaseException:
+        if raw is not None:
+            raw.close()
+        raise
+    return raw
+
+
+def _other_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int, add: Any) -> None:
+    """gRPC and Mooncake TE over loopback TCP, each against the same payload."""
+    nbytes = data.nbytes
     if {"grpc_stream", "grpc_unary"} & set(methods):
         g = _grpc(peer, data.tobytes(), reps)
         for m in ("grpc_stream", "grpc_unary"):
@@ -327,7 +352,6 @@ def _baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarra
         for m, res in mooncake.measure(methods, peer.host, nbytes, PAYLOAD_SEED, crc, reps, ChannelConfig().chunk_bytes).items():
             add({"scenario": scen, "method": m, "window": None, "provider": "mooncake-te", "path": "tcp", "emulated": False,
                  "extra_rss_bytes": None, **res})
-    return raw
 
 
 def _bench_tls(folder: str) -> Dict[str, Any]:
@@ -360,12 +384,13 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
                     return r
         return None
 
-    def x_raw(r: Dict[str, Any]) -> str:
-        """fedrdma-e / raw TCP throughput of row `r`: the median of its pairs (_paired), else against the raw TCP row."""
-        block = f"{raw['seconds'] / r['seconds']:.2f} (against the raw TCP row)"  # type: ignore[index]
-        if r.get("x_raw_tcp") is not None:  # both: raw TCP right after a channel transfer runs slower here
-            return f"{r['x_raw_tcp']:.2f} (median of {reps} pairs, each right after a raw TCP transfer; {block})"
-        return block
+    def x_raw(r: Dict[str, Any], raw: Dict[str, Any]) -> str:
+        """fedrdma-e / raw TCP throughput of row `r`: against the raw TCP row `raw`, and the median of its pairs
+        (_paired) where it has them (both printed: the two can differ by a fifth on this machine)."""
+        block = f"{raw['seconds'] / r['seconds']:.2f} against the raw TCP row"
+        if r.get("x_raw_tcp") is not None:
+            return f"{r['x_raw_tcp']:.2f} (median of {reps} pairs, each beside a raw TCP transfer; {block})"
+        return f"{raw['seconds'] / r['seconds']:.2f} (against the raw TCP row)"
 
     print()
     raw, gs = get(None, "raw_tcp"), get(None, "grpc_stream")
@@ -374,13 +399,13 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
         # Soft-RoCE (rxe) is real verbs but no RDMA hardware: its label says so, never "RDMA"
         kind = "emulated" if e["emulated"] else ("RDMA" if e["label"].startswith("pyverbs") else e["label"])
         grpc = f"; fedrdma-e / gRPC stream = {gs['seconds'] / e['seconds']:.2f} (target >= 2)" if gs else ""
-        print(f"loopback ({kind}): fedrdma-e / raw TCP throughput = {x_raw(e)} (target >= 0.8){grpc}")
+        print(f"loopback ({kind}): fedrdma-e / raw TCP throughput = {x_raw(e, raw)} (target >= 0.8){grpc}")
     if e and raw and t:  # the two paths, each against raw TCP of the same run, never mixed in one ratio
-        print(f"same host, {e.get('path')}: fedrdma-e / raw TCP throughput = {x_raw(e)} (target >= 2); over loopback "
-              f"TCP (as between hosts, checksum {t.get('checksum')}): {x_raw(t)} (target >= 0.95)")
+        print(f"same host, {e.get('path')}: fedrdma-e / raw TCP throughput = {x_raw(e, raw)} (target >= 2); over loopback "
+              f"TCP (as between hosts, checksum {t.get('checksum')}): {x_raw(t, raw)} (target >= 0.95)")
     elif raw and t:
         print(f"over loopback TCP (soft provider, emulated, as between hosts, checksum {t.get('checksum')}): "
-              f"fedrdma-e / raw TCP throughput = {x_raw(t)} (target >= 0.95)")
+              f"fedrdma-e / raw TCP throughput = {x_raw(t, raw)} (target >= 0.95)")
     for r in rows:  # a buffered put's copy overlapped against copy-then-send, in the same scenario and window
         if r["method"].startswith("fedrdma-e put: copy overlapped") and r.get("seconds"):
             serial = next((x for x in rows if x["scenario"] == r["scenario"] and x.get("tls") == r.get("tls")
