@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "channel here)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
     p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="run each case's jobs this many times, FATE's job first in odd repetitions and fate-rdma's "
+                        "(with its channel-alone baseline) first in even ones; each ratio is then the median of the "
+                        "repetitions' ratios, so that a drift of the machine's speed during the run weighs on both "
+                        "sides alike (default 1; 3 or more for a verdict on a shared machine)")
     p.add_argument("--no-channel-alone", dest="channel_alone", action="store_false",
                    help="skip the baseline run beside every fate-rdma job: the same bytes between three processes "
                         "through the channel alone (no FATE), to show what the integration adds")
@@ -271,8 +276,56 @@ def _cases(args: argparse.Namespace, methods: List[str]) -> List[Tuple[float, in
     return [(rounds_scale, 0, methods)]
 
 
+def pair_ratios(rows: List[Dict[str, Any]], data_path: str, num: str, den: str) -> List[Tuple[float, float, float]]:
+    """(round seconds of method `num` / those of `den`, num's, den's) for each repetition (`pair`) of one
+    case (`rows`: one scale and rank) in which both ran; FATE's own rows have path "-"."""
+    out = []
+    for k in sorted({r["pair"] for r in rows}):
+        by = {r["method"]: r for r in rows if r["pair"] == k and r["path"] in ("-", data_path)}
+        if num in by and den in by:
+            a, b = by[num]["round_comm_seconds"], by[den]["round_comm_seconds"]
+            out.append((a / b, a, b))
+    return out
+
+
+def verdicts(rows: List[Dict[str, Any]], data_path: str) -> List[str]:
+    """The targets' verdicts for one case (`rows`: one scale and rank, every repetition) on `data_path`:
+    FATE / fate-rdma and fate-rdma / the channel alone, each the median of the repetitions' own ratios
+    (and each repetition's, when there are several); their JSON lines are emitted here."""
+    lines = []
+    emu = any(r["emulated"] for r in rows if r["method"] == "fate-rdma")
+    tag = " [soft provider: emulated verbs over TCP, not an RDMA figure]" if emu else ""
+    first = next((r for r in rows if r["method"] == "fate-rdma"), None)
+    if first is None:
+        return lines
+    for num, den, target, key, above in (("fate", "fate-rdma", TARGET_RATIO, "fate_over_fate_rdma", True),
+                                         ("fate-rdma", "channel-alone", CHANNEL_ALONE_TARGET,
+                                          "fate_rdma_over_channel_alone", False)):
+        got = pair_ratios(rows, data_path, num, den)
+        if not got:
+            continue
+        ratio, a, b = median([g[0] for g in got]), median([g[1] for g in got]), median([g[2] for g in got])
+        met = ratio >= target if above else ratio <= target
+        emit({"bench": "fate", "summary": "ratio" if above else "integration", "payload": first["payload"],
+              "scale": first["scale"], "path": data_path, key: ratio, "pairs": len(got),
+              "per_pair": [round(g[0], 4) for g in got], "target": target, "met": met, "emulated": emu})
+        each = f" (median of {len(got)} pairs: {', '.join(f'{g[0]:.2f}' for g in got)})" if len(got) > 1 else ""
+        verdict = f"target {'>=' if above else '<='} {target:g}x: {'met' if met else 'NOT met'}"
+        if above:
+            lines.append(f"{first['payload']} at scale {first['scale']:g}, fate-rdma path {data_path}: communication per "
+                         f"round FATE {a:.2f} s, fate-rdma {b:.2f} s: {ratio:.1f}x less{each} ({verdict}){tag}")
+        else:
+            lines.append(f"{first['payload']} at scale {first['scale']:g}, path {data_path}: fate-rdma round {a:.2f} s, "
+                         f"the channel alone {b:.2f} s for the same bytes: {ratio:.2f}x{each} ({verdict}){tag}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     rounds = args.rounds if args.rounds is not None else 3
+    pairs = args.pairs
+    if pairs < 1:
+        print("bench fate: --pairs must be at least 1", file=sys.stderr)
+        return 2
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in ("fate", "fate-rdma")]
     if bad or not methods:
@@ -296,37 +349,42 @@ def run(args: argparse.Namespace) -> int:
         base = args.keep or tmp
         paths = ["tcp", "same-host"] if args.path == "both" else [args.path]
         for scale, rank, ms in cases:
-            for method, data_path in [(m, p) for m in ms for p in (paths if m == "fate-rdma" else ["-"])]:
-                suffix = "" if data_path in ("-", "tcp") else f"-{data_path}"
-                out = os.path.join(base, f"{method}{suffix}-s{scale:g}-r{rank}")
-                os.makedirs(out, exist_ok=True)
-                conf = None
-                if method == "fate-rdma":
-                    conf = os.path.join(out, "fate_rdma.json")
-                    _conf(conf, args, _upload_bytes(scale, rank), data_path)
-                row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
-                row["path"] = data_path
-                row["descriptors"] = args.descriptors if method == "fate-rdma" else "-"
-                row["chunks_up"] = -(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None
-                row["fate_slices_up"] = -(-row["up_bytes"] // (1 << 20))
-                emit(row)
-                rows.append(row)
-                if method == "fate-rdma" and args.channel_alone:
-                    base_row = _channel_alone_row(row, args, rounds, data_path)
-                    emit(base_row)
-                    rows.append(base_row)
+            for pair in range(pairs):
+                order = [(m, p) for m in ms for p in (paths if m == "fate-rdma" else ["-"])]
+                if pair % 2:  # fate-rdma's jobs (each with its channel-alone run) first in even repetitions
+                    order.reverse()
+                for method, data_path in order:
+                    suffix = ("" if data_path in ("-", "tcp") else f"-{data_path}") + (f"-p{pair + 1}" if pairs > 1 else "")
+                    out = os.path.join(base, f"{method}{suffix}-s{scale:g}-r{rank}")
+                    os.makedirs(out, exist_ok=True)
+                    conf = None
+                    if method == "fate-rdma":
+                        conf = os.path.join(out, "fate_rdma.json")
+                        _conf(conf, args, _upload_bytes(scale, rank), data_path)
+                    row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
+                    row.update(path=data_path, pair=pair + 1,
+                               descriptors=args.descriptors if method == "fate-rdma" else "-",
+                               chunks_up=-(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None,
+                               fate_slices_up=-(-row["up_bytes"] // (1 << 20)))
+                    emit(row)
+                    rows.append(row)
+                    if method == "fate-rdma" and args.channel_alone:
+                        base_row = _channel_alone_row(row, args, rounds, data_path)
+                        emit(base_row)
+                        rows.append(base_row)
     for r in rows:
         r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
         r["peak_rss"] = human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-"
     for r in rows:
         r["chunks"] = (f"{r['chunks_up']} x {human_bytes(CHUNK)}" if r["method"] != "fate"
                        else f"{r['fate_slices_up']} x 1 MiB slices")
-    table(rows, ["payload", "scale", "method", "mode", "provider", "path", "descriptors", "size", "chunks", "rounds",
+    table(rows, ["payload", "scale", "method", "mode", "provider", "path", "descriptors", "size", "chunks", "pair", "rounds",
                  "round_comm_seconds", "peak_rss", "verified"])
     for r in rows:
         if r["method"] == "fate-rdma" and r.get("breakdown"):
-            print(f"where fate-rdma's round went, {r['payload']} at scale {r['scale']:g}, path {r['path']} (seconds per "
-                  f"round; waits include the other parties):")
+            print(f"where fate-rdma's round went, {r['payload']} at scale {r['scale']:g}, path {r['path']}"
+                  + (f", repetition {r['pair']}" if pairs > 1 else "") + " (seconds per round; waits include the other "
+                  "parties):")
             print("  party     " + "".join(f"{k.replace('_seconds', ''):>17}" for k in TIMERS))
             for role, t in r["breakdown"].items():
                 print(f"  {role:<9} " + "".join(f"{t[k]:>17.3f}" for k in TIMERS))
@@ -336,30 +394,8 @@ def run(args: argparse.Namespace) -> int:
                 for role, t in r["breakdown"].items()))
     ok = True
     for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
-        by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank and r["path"] in ("-", data_path)}
-        if "fate" in by and "fate-rdma" in by:
-            ratio = by["fate"]["round_comm_seconds"] / by["fate-rdma"]["round_comm_seconds"]
-            # issue 13's target: 8x at GPT-2 full scale 0.25 and at every LoRA rank of the sweep
-            verdict = f"target {TARGET_RATIO:g}x: " + ("met" if ratio >= TARGET_RATIO else "NOT met")
-            emu = " [soft provider: emulated verbs over TCP, not an RDMA figure]" if by["fate-rdma"]["emulated"] else ""
-            emit({"bench": "fate", "summary": "ratio", "payload": by["fate"]["payload"], "scale": scale, "path": data_path,
-                  "fate_over_fate_rdma": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO,
-                  "emulated": by["fate-rdma"]["emulated"]})
-            print(f"{by['fate']['payload']} at scale {scale:g}, fate-rdma path {data_path}: communication per round FATE "
-                  f"{by['fate']['round_comm_seconds']:.2f} s, fate-rdma {by['fate-rdma']['round_comm_seconds']:.2f} s: "
-                  f"{ratio:.1f}x less ({verdict}){emu}")
-    for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
-        by = {r["method"]: r for r in rows if r["scale"] == scale and r["lora_rank"] == rank and r["path"] == data_path}
-        if "fate-rdma" in by and "channel-alone" in by:
-            over = by["fate-rdma"]["round_comm_seconds"] / by["channel-alone"]["round_comm_seconds"]
-            met = over <= CHANNEL_ALONE_TARGET
-            emit({"bench": "fate", "summary": "integration", "payload": by["fate-rdma"]["payload"], "scale": scale,
-                  "path": data_path, "fate_rdma_over_channel_alone": over, "target": CHANNEL_ALONE_TARGET, "met": met,
-                  "emulated": by["fate-rdma"]["emulated"]})
-            print(f"{by['fate-rdma']['payload']} at scale {scale:g}, path {data_path}: fate-rdma round "
-                  f"{by['fate-rdma']['round_comm_seconds']:.2f} s, the channel alone {by['channel-alone']['round_comm_seconds']:.2f} s "
-                  f"for the same bytes: {over:.2f}x (target <= {CHANNEL_ALONE_TARGET:g}x: {'met' if met else 'NOT met'})"
-                  + (" [soft provider: emulated verbs over TCP, not an RDMA figure]" if by["fate-rdma"]["emulated"] else ""))
+        for line in verdicts([r for r in rows if r["scale"] == scale and r["lora_rank"] == rank], data_path):
+            print(line)
     if not all(r["verified"] for r in rows):
         print("bench fate: an average did not match the expected one", file=sys.stderr)
         ok = False

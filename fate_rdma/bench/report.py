@@ -5,7 +5,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Sequence, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 
 def median(xs: Sequence[float]) -> float:
@@ -18,14 +18,18 @@ def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def emit(row: Dict[str, Any], out: TextIO = sys.stdout) -> None:
-    """One JSON line; it carries the 1-minute load average at the time it was measured."""
+def emit(row: Dict[str, Any], out: Optional[TextIO] = None) -> None:
+    """One JSON line (on stdout as it is at the call); it carries the 1-minute load average at the time it
+    was measured."""
+    out = out or sys.stdout
     row.setdefault("loadavg_1m", round(os.getloadavg()[0], 2))
     out.write(json.dumps(row, sort_keys=False) + "\n")
     out.flush()
 
 
-def table(rows: List[Dict[str, Any]], columns: List[str], out: TextIO = sys.stdout) -> None:
+def table(rows: List[Dict[str, Any]], columns: List[str], out: Optional[TextIO] = None) -> None:
+    out = out or sys.stdout
+
     def fmt(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"

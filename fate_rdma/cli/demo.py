@@ -192,7 +192,7 @@ def full_comparison_args(provider: str) -> argparse.Namespace:
     """`bench fate`'s arguments for demo part 2: one round at the largest scale FATE fits, both methods."""
     return argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma", path="tcp",
                               methods="fate,fate-rdma", provider=provider, timeout=1800, keep=None,
-                              channel_alone=False, descriptors="auto")  # `bench fate` shows the channel-alone baseline
+                              pairs=1, channel_alone=False, descriptors="auto")  # `bench fate` shows the channel-alone baseline
 
 
 def run(args: argparse.Namespace) -> int:
