@@ -133,34 +133,3 @@ def test_demo_part_2_gives_bench_fate_every_argument():
     wanted = {a.dest for a in p._actions if a.dest != "help"}
     assert wanted <= set(vars(full_comparison_args("soft")))
 
-
-def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
-    """`bench fate --pairs N`: each target's ratio is the median of the repetitions' own ratios (not the ratio
-    of the methods' medians), every repetition's ratio is printed and in the JSON line, a repetition missing
-    a method counts for neither, and FATE's own rows (path "-") pair with fate-rdma's on either path."""
-    from fate_rdma.bench.fate_federation import pair_ratios, verdicts
-
-    def row(method, pair, seconds, path="tcp"):
-        return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "-" if method == "fate" else path,
-                "payload": "gpt2-lora-r4", "scale": 1.0, "emulated": True}
-
-    # FATE / fate-rdma per pair: 10, 5, 20 (median 10; the ratio of the medians is 1.0 / 0.1 = 10 too); fate-rdma /
-    # the channel alone: 2.0, 1.0, 1.92 (median 1.92), where the ratio of the medians would be 0.1 / 0.05 = 2.0
-    rows = [row("fate", 1, 1.0), row("fate-rdma", 1, 0.1), row("channel-alone", 1, 0.05),
-            row("fate-rdma", 2, 0.2), row("channel-alone", 2, 0.2), row("fate", 2, 1.0),
-            row("fate", 3, 1.0), row("fate-rdma", 3, 0.05), row("channel-alone", 3, 0.05 / 1.92),
-            row("fate", 4, 9.9), row("fate-rdma", 4, 0.5, path="same-host")]  # pair 4: no tcp fate-rdma
-    assert [round(r[0], 6) for r in pair_ratios(rows, "tcp", "fate", "fate-rdma")] == [10.0, 5.0, 20.0]
-    assert [round(r[0], 6) for r in pair_ratios(rows, "same-host", "fate", "fate-rdma")] == [19.8]
-    lines = verdicts(rows, "tcp")
-    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    ratio, integ = out
-    assert ratio["fate_over_fate_rdma"] == pytest.approx(10.0) and ratio["pairs"] == 3 and ratio["met"] is True
-    assert ratio["per_pair"] == [10.0, 5.0, 20.0]
-    assert integ["fate_rdma_over_channel_alone"] == pytest.approx(1.92) and integ["met"] is False
-    assert "10.0x less (median of 3 pairs: 10.00, 5.00, 20.00) (target >= 8x: met)" in lines[0]
-    assert "1.92x (median of 3 pairs: 2.00, 1.00, 1.92) (target <= 1.5x: NOT met)" in lines[1]
-    assert all("emulated verbs over TCP, not an RDMA figure" in line for line in lines)
-    # one repetition: no "median of" (the output of a plain run is unchanged)
-    single = verdicts([r for r in rows if r["pair"] == 1], "tcp")
-    assert "10.0x less (target >= 8x: met)" in single[0] and "median of" not in single[1]

@@ -1,6 +1,7 @@
 """The channel alone, for `bench fate`: the bytes of one FedAvg round moved between three processes
 (two clients and the arbiter) with nothing but fate-rdma endpoints, the same configuration as the
-FATE job beside it. Per round: from a barrier, both clients send their upload to the arbiter at once;
+FATE job beside it. Per round: from an instant the arbiter names START_LEAD_S ahead (as in the FATE job,
+fate_job.wait_until), both clients send their upload to the arbiter at once;
 when it holds both, the arbiter sends the download to each; the round ends when both clients hold it.
 No FATE, no serialization, no aggregation: what `bench fate`'s fate-rdma round would cost if the
 integration added nothing. Round time = the slower client's; median over rounds.
@@ -15,13 +16,14 @@ import time
 from typing import Any, Dict, List
 
 from .fate_federation import free_ports
+from .fate_job import START_LEAD_S, wait_until
 from .report import median
 
 ROLES = ("guest", "host", "arbiter")
 
 
 def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, down: int, rounds: int,
-           barrier: Any, results: Any, timeout: float) -> None:
+           barrier: Any, start_at: Any, results: Any, timeout: float) -> None:
     from ..channel import Endpoint
     from ..channel.buffers import fresh
     from ..config import ChannelConfig
@@ -39,9 +41,13 @@ def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, do
                 payload.fill(1 if role == "guest" else 2)
                 ep.connect(arbiter)  # connection set-up is not part of a round (the FATE job connects once too)
             times: List[float] = []
+            late = 0.0
             for _ in range(rounds):
+                if role == "arbiter":
+                    start_at.value = time.monotonic() + START_LEAD_S  # read by the clients once past the barrier
                 barrier.wait(timeout)
-                t0 = time.perf_counter()
+                start = wait_until(start_at.value)
+                late = max(late, start - start_at.value)
                 if role == "arbiter":
                     got = [ep.recv(timeout=timeout) for _ in clients]
                     for m in got:
@@ -51,20 +57,21 @@ def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, do
                 else:
                     ep.send(arbiter, payload).result(timeout)
                     msg = ep.recv(timeout=timeout)
-                    times.append(time.perf_counter() - t0)
+                    times.append(time.monotonic() - start)
                     ok = msg.nbytes == down and msg.view[0] == 7 and msg.view[-1] == 7
                     msg.release()
                     if not ok:
                         raise RuntimeError("the download arrived with the wrong size or contents")
                 barrier.wait(timeout)  # no party starts the next round (or closes) before both clients are done
-            results.put((role, times, None))
+            results.put((role, times, late, None))
     except BaseException as exc:  # reported to the parent, which names the party
-        results.put((role, [], f"{type(exc).__name__}: {exc}"))
+        results.put((role, [], 0.0, f"{type(exc).__name__}: {exc}"))
 
 
 def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int = 3,
             timeout: float = 600.0) -> Dict[str, Any]:
-    """Run the three parties; returns {"round_seconds": median, "round_seconds_all": [...]}.
+    """Run the three parties; returns {"round_seconds": median, "round_seconds_all": [...],
+    "start_late_seconds": the most a client learned of a round's start late (fate_job.wait_until)}.
     `config`: ChannelConfig fields (a per-run secret is added when none is given)."""
     from ..channel.auth import write_secret
 
@@ -75,17 +82,19 @@ def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int 
             config["secret_file"] = os.path.join(tmp, "secret")
             write_secret(config["secret_file"])
         addrs = {r: f"127.0.0.1:{p}" for r, p in zip(ROLES, free_ports(len(ROLES)))}
-        barrier, results = ctx.Barrier(len(ROLES)), ctx.Queue()
-        procs = [ctx.Process(target=_party, args=(r, config, addrs, up_bytes, down_bytes, rounds, barrier, results,
-                                                  timeout), name=f"channel-alone-{r}", daemon=True) for r in ROLES]
+        barrier, start_at, results = ctx.Barrier(len(ROLES)), ctx.Value("d", 0.0), ctx.Queue()
+        procs = [ctx.Process(target=_party, args=(r, config, addrs, up_bytes, down_bytes, rounds, barrier, start_at,
+                                                  results, timeout), name=f"channel-alone-{r}", daemon=True) for r in ROLES]
         for p in procs:
             p.start()
         got: Dict[str, List[float]] = {}
+        lates = [0.0]
         errors = []
         try:
             for _ in ROLES:
-                role, times, err = results.get(timeout=timeout * (rounds + 1))
+                role, times, late, err = results.get(timeout=timeout * (rounds + 1))
                 got[role] = times
+                lates.append(late if role != "arbiter" else 0.0)
                 if err:
                     errors.append(f"{role}: {err}")
                     break
@@ -100,4 +109,4 @@ def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int 
         if errors:
             raise RuntimeError("bench fate: the channel-alone run failed: " + "; ".join(errors))
     per_round = [max(a, b) for a, b in zip(got["guest"], got["host"])]
-    return {"round_seconds": median(per_round), "round_seconds_all": per_round}
+    return {"round_seconds": median(per_round), "round_seconds_all": per_round, "start_late_seconds": max(lates)}

@@ -2,8 +2,8 @@
 
 Runs the same three-party job twice through FATE's multiprocess launcher (standalone engine), first
 over FATE's own federation, then with fate-rdma switched on, and reports per-round communication
-seconds (median over rounds; measured at the clients from a barrier until the average is unpickled,
-less the arbiter's summing time), payload bytes and each party's peak RSS. The payloads are what
+seconds (median over rounds; measured at the clients from a start instant the arbiter names (fate_job)
+until the average is unpickled, less the arbiter's summing time), payload bytes and each party's peak RSS. The payloads are what
 FATE-LLM's FedAvg sends with FATE's default secure aggregation for GPT-2 small: 124,439,808
 parameters as float64, mixed (2 x 8 bytes a parameter, ~1.99 GB) up, the float64 average (~0.995 GB)
 down, per client per round. `--scale` shrinks every tensor's leading dimension (memory: FATE's own
@@ -179,7 +179,8 @@ def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: in
     got = channel_alone.measure(_channel_fields(args, row["up_bytes"], data_path), row["up_bytes"], row["down_bytes"],
                                 rounds, timeout=args.timeout)
     return dict(row, method="channel-alone", descriptors="-", round_comm_seconds=got["round_seconds"],
-                round_comm_seconds_all=got["round_seconds_all"], peak_rss_bytes=0, arbiter_peak_rss_bytes=0,
+                round_comm_seconds_all=got["round_seconds_all"], start_late_seconds=got["start_late_seconds"],
+                peak_rss_bytes=0, arbiter_peak_rss_bytes=0,
                 aggregate_seconds=0.0, breakdown=None)
 
 
@@ -233,6 +234,8 @@ def _row(method: str, res: Dict[str, Any], mode: str, scale: float, lora_rank: i
         "params": g["params"], "tensors": g["tensors"], "verified": bool(g["verified"] and h["verified"]),
         "peak_rss_bytes": max(g["peak_rss_bytes"], h["peak_rss_bytes"]), "arbiter_peak_rss_bytes": a["peak_rss_bytes"],
         "aggregate_seconds": median(a["aggregate_seconds"]),
+        # how late the round's start instant reached a client, when it did (that client started late: fate_job)
+        "start_late_seconds": max([0.0, *g.get("go_late_seconds", []), *h.get("go_late_seconds", [])]),
         "breakdown": _breakdown(res, len(per_round)),
     }
 
@@ -392,6 +395,12 @@ def run(args: argparse.Namespace) -> int:
                   "job: " + ", ".join(f"{role} {human_bytes(t['lent_recv_bytes'])} / {human_bytes(t['fresh_recv_bytes'])} / "
                                       f"{human_bytes(t['reused_recv_bytes'])}"
                 for role, t in r["breakdown"].items()))
+    late = [r for r in rows if r.get("start_late_seconds", 0) > 0]
+    if late:
+        print(f"note: in {len(late)} job(s) a round's start instant reached a client late (typically the first round's, "
+              f"as the parties connect; at most "
+              f"{max(r['start_late_seconds'] for r in late) * 1e3:.1f} ms): that client's upload began late, and its round is "
+              f"timed from then (the other client's includes waiting for it)")
     ok = True
     for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
         for line in verdicts([r for r in rows if r["scale"] == scale and r["lora_rank"] == rank], data_path):

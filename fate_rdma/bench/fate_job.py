@@ -13,6 +13,23 @@ from dataclasses import dataclass, field
 
 #: GPT-2 small (GPT2Config()): 124,439,808 parameters in 148 tensors
 GPT2_PARAMS = 124_439_808
+#: how far ahead the arbiter names each round's start instant: longer than a small object takes through
+#: FATE's own federation or fate-rdma's here once the parties are connected (the first round's start
+#: message, which meets the connections' set-up, comes later: `wait_until`)
+START_LEAD_S = 0.3
+
+
+def wait_until(start: float) -> float:
+    """Sleep until `start` (time.monotonic(): one clock for every process of a host, which is where the
+    launcher runs the parties); return the instant this party really starts its round: `start`, or now
+    if it learned of `start` late. A round is timed from that, so what it counts is the party's own
+    upload and download, never time before the upload began; with a late start the other client may
+    wait for this one's upload, and that wait is in its round (as with the plain "go" of old)."""
+    now = time.monotonic()
+    if now < start:
+        time.sleep(start - now)
+        return start
+    return now
 
 
 def gpt2_shapes(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024):
@@ -78,8 +95,13 @@ def _record(ctx, args: BenchArgs, role: str, comm, extra) -> None:
 def run(ctx) -> None:
     """Secure aggregation exactly as FATE's SecureAggregatorClient/Server do it (same names, same
     payloads), with the compute (masking, summing) kept out of the timed part: per round, the clients
-    mix their weights first, then all three meet at a small barrier, and the clock runs from there
-    until each client holds the unpickled average, less the arbiter's summing time."""
+    mix their weights first, then all three meet at a small barrier: the arbiter names an instant
+    START_LEAD_S ahead, both clients start their upload at it, and the clock runs from it (from the
+    start message's arrival where that came later: wait_until) until each client holds the unpickled
+    average, less the arbiter's summing time. (Timed from each client's
+    receipt of a plain "go" instead, a round also counted the gap between the two receipts, some
+    milliseconds here, the second client's upload starting that much later: a cost of the barrier's
+    own messages, which no FedAvg round has and `bench fate`'s channel-alone baseline never had.)"""
     import numpy as np
     from fate.arch.launchers.argparser import HfArgumentParser
     from fate.arch.protocol.secure_aggregation._secure_aggregation import SecureAggregatorClient
@@ -94,9 +116,10 @@ def run(ctx) -> None:
         for _, rctx in ctx.ctxs_range(args.rounds):
             for r in ranks:
                 rctx.parties[r].get("ready")
+            start = time.monotonic() + START_LEAD_S
             for r in ranks:
-                rctx.parties[r].put("go", True)
-            t0 = time.perf_counter()
+                rctx.parties[r].put("go", start)
+            start = wait_until(start)
             mix, total = MixAggregate(), 0.0
             spent = 0.0
             for r in ranks:
@@ -113,7 +136,7 @@ def run(ctx) -> None:
                 rctx.parties[r].put(recv, avg)
             del avg, mix
             agg_seconds.append(spent)
-            wall.append(time.perf_counter() - t0)
+            wall.append(time.monotonic() - start)
             for r in ranks:
                 rctx.parties[r].put("agg_seconds", spent)
         return _record(ctx, args, role, [w - a for w, a in zip(wall, agg_seconds)], {"aggregate_seconds": agg_seconds})
@@ -122,7 +145,7 @@ def run(ctx) -> None:
     n = sum(w.size for w in weights)
     client = SecureAggregatorClient(prefix="bench_model")
     client.dh_exchange(ctx, ranks)
-    comm, mix_seconds = [], []
+    comm, mix_seconds, go_late = [], [], []
     for i, rctx in ctx.ctxs_range(args.rounds):
         if i:
             weights = [a * 0.999 for a in avg]  # the next round's "local update" (the same on every client)
@@ -131,12 +154,13 @@ def run(ctx) -> None:
         mixed = client._get_mixer().mix(weights, 0.5)
         mix_seconds.append(time.perf_counter() - t0)
         rctx.arbiter.put("ready", True)
-        rctx.arbiter.get("go")
-        t0 = time.perf_counter()
+        named = rctx.arbiter.get("go")
+        start = wait_until(named)
+        go_late.append(start - named)
         rctx.arbiter.put(send, (mixed, 0.5))
         del mixed
         avg = rctx.arbiter.get(recv)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.monotonic() - start
         comm.append(elapsed - rctx.arbiter.get("agg_seconds"))
     # checked once all rounds are timed, so the check never competes with another party's timed part;
     # the clients also compare digests, so an average that differs between them cannot pass
@@ -147,7 +171,7 @@ def run(ctx) -> None:
         ctx.parties[r].put("bench_final_digest", digest)
     verified = verified and all(ctx.parties[r].get("bench_final_digest") == digest for r in others)
     _record(ctx, args, role, comm, {"params": n, "tensors": len(weights), "up_bytes": 16 * n, "down_bytes": 8 * n,
-                                    "mix_seconds": mix_seconds, "verified": verified})
+                                    "mix_seconds": mix_seconds, "go_late_seconds": go_late, "verified": verified})
 
 if __name__ == "__main__":
     from fate.arch.launchers.multiprocess_launcher import launch

@@ -1,0 +1,82 @@
+"""`fate-rdma bench fate`: how its rounds are timed and how its verdicts are drawn."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fate_rdma.bench import channel_alone
+from fate_rdma.bench.fate_job import START_LEAD_S, wait_until
+
+
+def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
+    """`bench fate --pairs N`: each target's ratio is the median of the repetitions' own ratios (not the ratio
+    of the methods' medians), every repetition's ratio is printed and in the JSON line, a repetition missing
+    a method counts for neither, and FATE's own rows (path "-") pair with fate-rdma's on either path."""
+    from fate_rdma.bench.fate_federation import pair_ratios, verdicts
+
+    def row(method, pair, seconds, path="tcp"):
+        return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "-" if method == "fate" else path,
+                "payload": "gpt2-lora-r4", "scale": 1.0, "emulated": True}
+
+    # FATE / fate-rdma per pair: 10, 5, 20 (median 10; the ratio of the medians is 1.0 / 0.1 = 10 too); fate-rdma /
+    # the channel alone: 2.0, 1.0, 1.92 (median 1.92), where the ratio of the medians would be 0.1 / 0.05 = 2.0
+    rows = [row("fate", 1, 1.0), row("fate-rdma", 1, 0.1), row("channel-alone", 1, 0.05),
+            row("fate-rdma", 2, 0.2), row("channel-alone", 2, 0.2), row("fate", 2, 1.0),
+            row("fate", 3, 1.0), row("fate-rdma", 3, 0.05), row("channel-alone", 3, 0.05 / 1.92),
+            row("fate", 4, 9.9), row("fate-rdma", 4, 0.5, path="same-host")]  # pair 4: no tcp fate-rdma
+    assert [round(r[0], 6) for r in pair_ratios(rows, "tcp", "fate", "fate-rdma")] == [10.0, 5.0, 20.0]
+    assert [round(r[0], 6) for r in pair_ratios(rows, "same-host", "fate", "fate-rdma")] == [19.8]
+    lines = verdicts(rows, "tcp")
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ratio, integ = out
+    assert ratio["fate_over_fate_rdma"] == pytest.approx(10.0) and ratio["pairs"] == 3 and ratio["met"] is True
+    assert ratio["per_pair"] == [10.0, 5.0, 20.0]
+    assert integ["fate_rdma_over_channel_alone"] == pytest.approx(1.92) and integ["met"] is False
+    assert "10.0x less (median of 3 pairs: 10.00, 5.00, 20.00) (target >= 8x: met)" in lines[0]
+    assert "1.92x (median of 3 pairs: 2.00, 1.00, 1.92) (target <= 1.5x: NOT met)" in lines[1]
+    assert all("emulated verbs over TCP, not an RDMA figure" in line for line in lines)
+    # one repetition: no "median of" (the output of a plain run is unchanged)
+    single = verdicts([r for r in rows if r["pair"] == 1], "tcp")
+    assert "10.0x less (target >= 8x: met)" in single[0] and "median of" not in single[1]
+
+
+def test_wait_until_sleeps_to_the_instant_and_reports_lateness():
+    import time
+
+    start = time.monotonic() + 0.05
+    assert wait_until(start) == start and time.monotonic() >= start
+    late = time.monotonic() - 0.2
+    t = time.monotonic()
+    assert t <= wait_until(late) <= time.monotonic()  # learned of it late: starts now, does not sleep
+
+
+def test_channel_alone_rounds_run_from_the_named_instant_not_before_it():
+    """Each round is timed from the instant the arbiter names (START_LEAD_S ahead), so the lead is not in it:
+    a round of 64 KiB up / 32 KiB down takes milliseconds, far less than the lead."""
+    got = channel_alone.measure({"mode": "fedrdma-e", "provider": "soft", "window": "auto"}, 64 << 10, 32 << 10,
+                                rounds=3, timeout=60)
+    assert len(got["round_seconds_all"]) == 3
+    assert 0 < got["round_seconds"] < START_LEAD_S / 3
+    assert got["start_late_seconds"] == 0.0  # a multiprocessing barrier passes well within the lead here
+
+
+@pytest.mark.timeout(300)
+def test_fate_job_rounds_start_at_the_arbiters_instant(tmp_path):
+    """The FATE job (FATE's launcher, fate-rdma on): both clients start each round at the instant the arbiter
+    names; once connected (every round after the first) the start message arrives within the lead, the
+    rounds exclude the lead, and the average checks out."""
+    pytest.importorskip("fate.arch")
+    p = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "fate", "--lora-ranks", "4", "--rounds", "3",
+                        "--methods", "fate-rdma", "--mode", "fedrdma-e", "--no-channel-alone", "--timeout", "240",
+                        "--keep", str(tmp_path)], capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (row,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"bench": "fate", "payload"')]
+    assert row["verified"] is True and row["lora_rank"] == 4 and row["rounds"] == 3
+    assert all(0 < s < START_LEAD_S for s in row["round_comm_seconds_all"])
+    for role in ("guest", "host"):
+        res = json.load(open(os.path.join(tmp_path, "fate-rdma-s1-r4", f"{role}.json")))
+        assert len(res["go_late_seconds"]) == 3 and res["go_late_seconds"][1:] == [0.0, 0.0]
