@@ -2,13 +2,14 @@
 
 Runs the same three-party job twice through FATE's multiprocess launcher (standalone engine), first
 over FATE's own federation, then with fate-rdma switched on, and reports per-round communication
-seconds (median over rounds; measured at the clients from a start instant the arbiter names (fate_job)
-until the average is unpickled, less the arbiter's summing time), payload bytes and each party's peak RSS. The payloads are what
-FATE-LLM's FedAvg sends with FATE's default secure aggregation for GPT-2 small: 124,439,808
-parameters as float64, mixed (2 x 8 bytes a parameter, ~1.99 GB) up, the float64 average (~0.995 GB)
-down, per client per round. `--scale` shrinks every tensor's leading dimension (memory: FATE's own
-path peaks near 8x the upload per client). Figures from the soft provider are an emulation over
-TCP on one machine and are labelled so; they are not RDMA figures.
+seconds (median over rounds; measured at the clients from a start instant the arbiter names,
+fate_job, until the average is unpickled, less the arbiter's summing time), payload bytes and each
+party's peak RSS. The payloads are what FATE-LLM's FedAvg sends with FATE's default secure
+aggregation for GPT-2 small: 124,439,808 parameters as float64, mixed (2 x 8 bytes a parameter,
+~1.99 GB) up, the float64 average (~0.995 GB) down, per client per round. `--scale` shrinks every
+tensor's leading dimension (memory: FATE's own path peaks near 8x the upload per client). Figures
+from the soft provider are an emulation over TCP on one machine and are labelled so; they are not
+RDMA figures.
 """
 from __future__ import annotations
 

@@ -98,10 +98,10 @@ def run(ctx) -> None:
     mix their weights first, then all three meet at a small barrier: the arbiter names an instant
     START_LEAD_S ahead, both clients start their upload at it, and the clock runs from it (from the
     start message's arrival where that came later: wait_until) until each client holds the unpickled
-    average, less the arbiter's summing time. (Timed from each client's
-    receipt of a plain "go" instead, a round also counted the gap between the two receipts, some
-    milliseconds here, the second client's upload starting that much later: a cost of the barrier's
-    own messages, which no FedAvg round has and `bench fate`'s channel-alone baseline never had.)"""
+    average, less the arbiter's summing time. (Timed from each client's receipt of a plain "go"
+    instead, a round also counted the gap between the two receipts, some milliseconds here, the second
+    client's upload starting that much later: a cost of the barrier's own messages, which no FedAvg
+    round has and `bench fate`'s channel-alone baseline never had.)"""
     import numpy as np
     from fate.arch.launchers.argparser import HfArgumentParser
     from fate.arch.protocol.secure_aggregation._secure_aggregation import SecureAggregatorClient
