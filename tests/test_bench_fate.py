@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,8 +46,6 @@ def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
 
 
 def test_wait_until_sleeps_to_the_instant_and_reports_lateness():
-    import time
-
     start = time.monotonic() + 0.05
     assert wait_until(start) == start and time.monotonic() >= start
     late = time.monotonic() - 0.2

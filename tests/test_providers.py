@@ -132,4 +132,3 @@ def test_demo_part_2_gives_bench_fate_every_argument():
     fate_federation.add_arguments(p)
     wanted = {a.dest for a in p._actions if a.dest != "help"}
     assert wanted <= set(vars(full_comparison_args("soft")))
-

@@ -47,7 +47,8 @@ def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, do
                     start_at.value = time.monotonic() + START_LEAD_S  # read by the clients once past the barrier
                 barrier.wait(timeout)
                 start = wait_until(start_at.value)
-                late = max(late, start - start_at.value)
+                if role != "arbiter":  # (a late arbiter starts no upload)
+                    late = max(late, start - start_at.value)
                 if role == "arbiter":
                     got = [ep.recv(timeout=timeout) for _ in clients]
                     for m in got:
@@ -94,7 +95,7 @@ def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int 
             for _ in ROLES:
                 role, times, late, err = results.get(timeout=timeout * (rounds + 1))
                 got[role] = times
-                lates.append(late if role != "arbiter" else 0.0)
+                lates.append(late)
                 if err:
                     errors.append(f"{role}: {err}")
                     break
