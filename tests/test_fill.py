@@ -13,6 +13,7 @@ import pytest
 
 from fate_rdma import errors as E
 from fate_rdma.channel import Endpoint
+from fate_rdma.channel.buffers import GIL_COPY_BYTES, copy_into
 from fate_rdma.channel.checksum import block_digest, payload_digest
 from fate_rdma.channel.transfer import Fill
 from fate_rdma.protocol.fedrdma_e import FedRdmaESender
@@ -209,3 +210,37 @@ def test_run_takes_digests_only_in_the_checksums_blocks():
     with pytest.raises(ValueError, match="blocks of"):
         fill.run(np.zeros(8, np.uint8), [b"12345678"], 4)
     assert fill.error is not None
+
+
+@pytest.mark.parametrize("n", [0, 1, GIL_COPY_BYTES - 1, GIL_COPY_BYTES, GIL_COPY_BYTES + 3])
+def test_copy_into_places_pieces_below_and_above_the_gil_threshold(n):
+    src, dest = _rng(n, n), np.full(n + 16, 0xAB, np.uint8)
+    copy_into(dest, 7, memoryview(src))
+    assert bytes(dest[7:7 + n]) == bytes(src) and set(dest[:7]) == {0xAB}
+    assert set(dest[7 + n:]) == {0xAB}  # nothing past the piece
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (GIL_COPY_BYTES // 8 + 1,)])
+def test_copy_into_takes_any_contiguous_buffer_and_refuses_one_past_the_end(shape):
+    arr = np.random.default_rng(1).standard_normal(shape)  # float64, 2-D: memoryview format "d", not "B"
+    dest = np.zeros(arr.nbytes + 8, np.uint8)
+    copy_into(dest, 8, memoryview(arr))
+    assert bytes(dest[8:]) == arr.tobytes()
+    with pytest.raises((ValueError, TypeError)):
+        copy_into(dest, 9, memoryview(arr))  # one byte past the end: an error, never a short copy
+    with pytest.raises((ValueError, TypeError)):
+        copy_into(dest, 0, memoryview(arr[:, ::2] if arr.ndim == 2 else arr[::2]))  # not contiguous
+
+
+def test_a_fill_of_many_small_tensors_is_byte_exact():
+    """A LoRA-like frame: tens of small pieces (each copied holding the GIL) and one large one."""
+    rng = np.random.default_rng(2)
+    sources = [rng.standard_normal(s) for s in [(4, 768), (2304, 4)] * 12 + [(GIL_COPY_BYTES // 8 + 7,)]]
+    total = sum(a.nbytes for a in sources)
+    fill, dest = Fill(total, block_digest("xxh3")), np.zeros(total, np.uint8)
+    fill.run(dest, sources, BLOCK_BYTES)
+    want = b"".join(a.tobytes() for a in sources)
+    assert bytes(dest) == want and fill.done and fill.error is None
+    from fate_rdma.channel.checksum import _from_blocks
+
+    assert _from_blocks("xxh3", fill.digests) == payload_digest(Integrity("xxh3"), [memoryview(want)])
