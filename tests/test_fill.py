@@ -14,7 +14,7 @@ import pytest
 from fate_rdma import errors as E
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel.buffers import GIL_COPY_BYTES, copy_into
-from fate_rdma.channel.checksum import block_digest, payload_digest
+from fate_rdma.channel.checksum import _from_blocks, block_digest, payload_digest
 from fate_rdma.channel.transfer import Fill
 from fate_rdma.protocol.fedrdma_e import FedRdmaESender
 from fate_rdma.protocol.integrity import BLOCK_BYTES, Integrity
@@ -41,8 +41,6 @@ def test_run_copies_back_to_front_with_the_payloads_block_digests(kind, total):
     assert bytes(dest[:total]) == bytes(src) and fill.done and fill.error is None and done == [True]
     assert seen == sorted(seen, reverse=True) and (not total or seen[-1] == 0)
     assert all(x % BLOCK_BYTES == 0 for x in seen)  # one advance per block, at its start
-    from fate_rdma.channel.checksum import _from_blocks
-
     assert _from_blocks(kind, fill.digests) == payload_digest(Integrity(kind), [memoryview(src)])
 
 
@@ -241,6 +239,4 @@ def test_a_fill_of_many_small_tensors_is_byte_exact():
     fill.run(dest, sources, BLOCK_BYTES)
     want = b"".join(a.tobytes() for a in sources)
     assert bytes(dest) == want and fill.done and fill.error is None
-    from fate_rdma.channel.checksum import _from_blocks
-
     assert _from_blocks("xxh3", fill.digests) == payload_digest(Integrity("xxh3"), [memoryview(want)])
