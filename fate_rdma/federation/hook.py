@@ -1,10 +1,11 @@
 """The start-up hook: a `.pth` file imports this module in every interpreter of the environment.
 
-It only adds an import finder that patches three FATE modules when (and if) they are imported:
+It only adds an import finder that patches four FATE modules when (and if) they are imported:
 FederationBuilder (to wrap federations when fate-rdma is configured), the federation serializer
-(array frames, only for federations fate-rdma wrapped) and the task-config spec (to see a
-`fate_rdma` section in a fate-flow task conf). Nothing else happens; FATE jobs without a
-fate-rdma configuration run exactly as before.
+(array frames, only for federations fate-rdma wrapped), the task-config spec (to see a
+`fate_rdma` section in a fate-flow task conf) and the multiprocess launcher (which, when fate-rdma is
+configured, stops a job whose party process died without reporting: launcher.py). Nothing else
+happens; FATE jobs without a fate-rdma configuration run exactly as before.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ _TARGETS = {
     "fate.arch.federation.api._serdes": lambda m: _activate().patch_serdes(m.TableRemotePersistentPickler,
                                                                            m.TableRemotePersistentUnpickler),
     "fate.components.core.spec.task": lambda m: _activate().capture_task_conf(m.TaskConfigSpec),
+    "fate.arch.launchers.multiprocess_launcher": lambda m: _launcher().patch_launcher(m.MultiProcessLauncher),
 }
 
 
@@ -29,6 +31,12 @@ def _activate() -> Any:
     from . import activate
 
     return activate
+
+
+def _launcher() -> Any:
+    from . import launcher
+
+    return launcher
 
 
 class _Finder(importlib.abc.MetaPathFinder):
