@@ -176,3 +176,20 @@ def test_a_launcher_job_whose_party_cannot_open_its_endpoint_stops(tmp_path):
     assert rc == 1, out[-3000:]
     assert "party arbiter:10000 (rank 2) ended (exit code 1) without reporting" in said, out[-3000:]
     assert "in use" in said, out[-3000:]  # the arbiter's own error, in its log
+
+
+def test_launch_refuses_a_bad_conf_or_script_with_exit_2_and_no_traceback(tmp_path, capsys):
+    from fate_rdma.cli import main
+
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit(9)\n")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"fate_rdma": {"mode": "bogus", "endpoints": {"guest:9999": "127.0.0.1:1"}}}))
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    cases = [(str(bad), str(script), "mode must be one of"), (str(empty), str(script), "has no fate_rdma section"),
+             (str(tmp_path / "missing.yaml"), str(script), "--conf"), (str(bad), str(tmp_path / "nope.py"), "the script")]
+    for conf, job, said in cases:
+        assert main(["launch", "--conf", conf, job]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fate-rdma launch: ") and said in err and "Traceback" not in err, err

@@ -16,20 +16,49 @@ import tempfile
 from typing import Any, Dict, Tuple
 
 
+EPILOG = """\
+example:
+  fate-rdma launch --conf conf/fate_rdma_launcher.yaml my_job.py \\
+      --parties guest:9999 host:10000 arbiter:10000 --log_level WARNING
+
+The script runs as with `python SCRIPT`, with FATE_RDMA_CONF set for every party process it starts (the
+start-up hook must be installed: `fate-rdma hook install`, which make does). When every endpoint is on
+this machine and the section names no secret_file (and tls is off), the job gets a fresh secret, so the
+parties authenticate each other; parties on other hosts need the site's secret_file.
+
+A party process that ends without reporting to FATE's launcher (its federation failed to start, e.g. a
+port already taken, or it was killed) ends the job within seconds, naming the party and its exit status,
+instead of leaving the other parties waiting for it.
+
+exit status: the job's (0 when every party finished, 1 when one failed); 2 for a bad --conf or a
+missing hook."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG
     p.add_argument("--conf", required=True, help="YAML/JSON file with a fate_rdma section (see conf/fate_rdma_launcher.yaml)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
     from ..federation.config import RdmaFederationConfig, load_section
 
-    section = load_section(os.path.abspath(args.conf))
-    if section is None:
-        print(f"fate-rdma launch: {args.conf} has no fate_rdma section", file=sys.stderr)
+    for what, path in (("--conf", args.conf), ("the script", args.script)):
+        if not os.path.isfile(path):
+            print(f"fate-rdma launch: {what} {path!r} is not a file", file=sys.stderr)
+            return 2
+    try:
+        section = load_section(os.path.abspath(args.conf))
+        if section is None:
+            print(f"fate-rdma launch: {args.conf} has no fate_rdma section", file=sys.stderr)
+            return 2
+        cfg = RdmaFederationConfig.from_section(section)  # fail early on a bad configuration
+    except ConfigError as exc:
+        print(f"fate-rdma launch: {args.conf}: {exc}", file=sys.stderr)
         return 2
-    cfg = RdmaFederationConfig.from_section(section)  # fail early on a bad configuration
     from ..federation.hook import pth_path
 
     if not os.path.exists(pth_path()):
