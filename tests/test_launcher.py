@@ -59,14 +59,15 @@ def test_a_reported_exception_fails_the_job_with_its_traceback():
     assert L.watched_wait(la, poll_s=0.01) == 1 and la._exception_tb == {1: "the traceback"}
 
 
-@pytest.mark.parametrize("code, said", [(3, "exit code 3"), (1, "exit code 1"), (-9, "killed by SIGKILL (signal 9)"),
-                                        (-15, "killed by SIGTERM (signal 15)")])
+@pytest.mark.parametrize("code, said", [(3, "exit code 3"), (1, "exit code 1"), (0, "exit code 0"),
+                                        (-9, "killed by SIGKILL (signal 9)"), (-15, "killed by SIGTERM (signal 15)")])
 def test_a_party_gone_without_reporting_fails_the_job_naming_it(code, said):
     la = Launcher(None, code, None)
     la.output_or_exception_q.put((0, None, None))  # the guest finished; the arbiter still waits for the host
     assert L.watched_wait(la, poll_s=0.01, grace_s=2, clock=ticking()) == 1
-    why = la._exception_tb[1]
+    why = str(la._exception_tb[1])
     assert "host:10000 (rank 1)" in why and said in why and "without reporting" in why
+    assert ("its log above says why" in why) == (code > 0)  # a signal or a clean exit leaves no error in the log
     assert list(la._exception_tb) == [1]
 
 
@@ -83,10 +84,27 @@ def test_a_report_that_arrives_just_after_the_exit_is_the_one_shown():
 
 
 def test_a_party_that_exits_after_reporting_success_is_not_a_failure():
-    la = Launcher(0, None)
+    la = Launcher(0, None)  # rank 0 reported and ended while rank 1 still works
     la.output_or_exception_q.put((0, None, None))
-    la.output_or_exception_q.put((1, None, None))
-    assert L.watched_wait(la, poll_s=0.01, grace_s=0, clock=ticking()) == 0
+
+    def later():
+        threading.Event().wait(0.3)  # several polls in which rank 0 is gone
+        la.output_or_exception_q.put((1, None, None))
+
+    threading.Thread(target=later).start()
+    assert L.watched_wait(la, poll_s=0.01, grace_s=0) == 0 and la._exception_tb == {}
+
+
+def test_a_signal_without_a_name_is_described():
+    assert L.exit_status(-200) == "killed by an unknown signal (signal 200)"
+    assert L.exit_status(-40).startswith("killed by Real-time signal")
+
+
+def test_markup_in_a_party_name_is_shown_as_it_is():
+    la = Launcher(None, 3)
+    la._fate_rdma_parties = ["guest:9999", "[bold]host:1"]
+    assert L.watched_wait(la, poll_s=0.01, grace_s=0) == 1
+    assert "[bold]host:1 (rank 1)" in la._exception_tb[1].plain
 
 
 def test_party_names_fall_back_to_the_rank():
@@ -96,7 +114,6 @@ def test_party_names_fall_back_to_the_rank():
     assert L._party_of(la, 0) == "guest:9999 (rank 0)"
     la._fate_rdma_parties = None
     assert L._party_of(la, 0) == "rank 0"
-    assert L.exit_status(-200) == "killed by an unknown signal (signal 200)"
 
 
 def test_the_patch_watches_only_when_fate_rdma_is_configured(monkeypatch):
@@ -123,8 +140,12 @@ def test_the_patch_watches_only_when_fate_rdma_is_configured(monkeypatch):
     assert la._fate_rdma_parties == ["a:1"]
     la.output_or_exception_q.put((0, None, None))
     assert la.wait() == 0 and calls == ["fate", "fate"]
-    monkeypatch.setenv("FATE_RDMA_CONF", os.path.join(ROOT, "no-such-file.yaml"))
-    assert FateLauncher(None).wait() == 7  # a bad configuration is reported where the federation is built
+    # a configuration that cannot be read fails every party while FATE builds its context: watched
+    for bad in (os.path.join(ROOT, "no-such-file.yaml"), "{not json"):
+        monkeypatch.setenv("FATE_RDMA_CONF", bad)
+        la = FateLauncher(None)
+        la.output_or_exception_q.put((0, None, None))
+        assert la.wait() == 0 and calls == ["fate", "fate"]
 
 
 # -- real FATE launcher jobs (three spawned parties each) ---------------------------------------------------
@@ -187,7 +208,12 @@ def test_launch_refuses_a_bad_conf_or_script_with_exit_2_and_no_traceback(tmp_pa
     bad.write_text(json.dumps({"fate_rdma": {"mode": "bogus", "endpoints": {"guest:9999": "127.0.0.1:1"}}}))
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("fate_rdma: {mode: [\n")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- fate_rdma\n")
     cases = [(str(bad), str(script), "mode must be one of"), (str(empty), str(script), "has no fate_rdma section"),
+             (str(broken), str(script), "not a readable YAML/JSON file"), (str(listed), str(script), "must be a mapping"),
              (str(tmp_path / "missing.yaml"), str(script), "--conf"), (str(bad), str(tmp_path / "nope.py"), "the script")]
     for conf, job, said in cases:
         assert main(["launch", "--conf", conf, job]) == 2

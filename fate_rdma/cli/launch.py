@@ -27,11 +27,12 @@ this machine and the section names no secret_file (and tls is off), the job gets
 parties authenticate each other; parties on other hosts need the site's secret_file.
 
 A party process that ends without reporting to FATE's launcher (its federation failed to start, e.g. a
-port already taken, or it was killed) ends the job within seconds, naming the party and its exit status,
-instead of leaving the other parties waiting for it.
+port already taken, or it was killed) fails the job about 2.5 s later, naming the party and its exit
+status; FATE's launcher then stops the other parties (it waits 10 s first), instead of every process
+waiting for the one that is gone.
 
-exit status: the job's (0 when every party finished, 1 when one failed); 2 for a bad --conf or a
-missing hook."""
+exit status: the script's (a FATE launcher job: 0 when every party finished, 1 when one failed); 2 for
+a missing or invalid --conf, a missing script or a missing hook."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,10 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..federation.config import RdmaFederationConfig, load_section
 
-    for what, path in (("--conf", args.conf), ("the script", args.script)):
-        if not os.path.isfile(path):
-            print(f"fate-rdma launch: {what} {path!r} is not a file", file=sys.stderr)
-            return 2
+    if not os.path.isfile(args.conf):
+        print(f"fate-rdma launch: --conf {args.conf!r} is not a file", file=sys.stderr)
+        return 2
+    if not os.path.exists(args.script):  # (a folder or zip with __main__.py runs too)
+        print(f"fate-rdma launch: the script {args.script!r} does not exist", file=sys.stderr)
+        return 2
     try:
         section = load_section(os.path.abspath(args.conf))
         if section is None:

@@ -129,14 +129,23 @@ def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
     """A `fate_rdma` section from a YAML/JSON file path or an inline JSON string (FATE_RDMA_CONF): at the
     top level, under `conf` (a task conf) or under `dag.conf` (a fate-flow job)."""
     if text_or_path.lstrip().startswith("{"):
-        doc = json.loads(text_or_path)
+        try:
+            doc = json.loads(text_or_path)
+        except ValueError as exc:
+            raise ConfigError(f"FATE_RDMA_CONF holds inline JSON that does not parse: {exc}") from exc
     else:
         if not os.path.exists(text_or_path):
             raise ConfigError(f"FATE_RDMA_CONF names {text_or_path!r}, which does not exist")
         import yaml
 
-        with open(text_or_path) as f:
-            doc = yaml.safe_load(f) or {}
+        try:
+            with open(text_or_path) as f:
+                doc = yaml.safe_load(f) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{text_or_path}: not a readable YAML/JSON file: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{text_or_path if len(text_or_path) < 200 else 'FATE_RDMA_CONF'}: the configuration must "
+                          f"be a mapping (with a fate_rdma section), got {type(doc).__name__}")
     if "fate_rdma" in doc:
         return doc["fate_rdma"]
     for holder in (doc, doc.get("dag") if isinstance(doc.get("dag"), dict) else {}):  # task conf, fate-flow DAG

@@ -8,12 +8,14 @@ code) never reports, so the launcher waits forever, and the other parties wait i
 
 When fate-rdma is configured in the launcher's process (`fate-rdma launch`, FATE_RDMA_CONF), `wait` polls
 the queue and the party processes: one that has exited without reporting (and whose last words, if any, did
-not arrive within GRACE_S of its exit) fails the job at once, naming its rank, party and exit status.
-FATE's own `block_run` then ends the other parties as it does for a party that raised. Without a fate-rdma
-configuration FATE's `wait` runs unchanged.
+not arrive within GRACE_S of its exit) fails the job, naming its rank, party and exit status, about
+POLL_S + GRACE_S after the exit. FATE's own `block_run` then ends the other parties as it does for a party
+that raised (it waits 10 s, then terminates those still running). Without a fate-rdma configuration
+FATE's `wait` runs unchanged.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import signal
@@ -30,12 +32,14 @@ GRACE_S = 2.0
 
 
 def _enabled() -> bool:
+    """Is fate-rdma asked for in this process? A FATE_RDMA_CONF that cannot be read counts: every party
+    fails on it while FATE builds its context, before it could report."""
     from .activate import current_section
 
     try:
         section = current_section()
-    except Exception:  # a bad FATE_RDMA_CONF is reported where the federation is built; FATE's wait is kept here
-        return False
+    except Exception:
+        return True
     return bool(section) and bool(section.get("enabled", True))
 
 
@@ -45,8 +49,11 @@ def exit_status(code: int) -> str:
         return f"exit code {code}"
     try:
         name = signal.Signals(-code).name
-    except ValueError:
-        name = "an unknown signal"
+    except ValueError:  # a real-time signal has no name: its description ("Real-time signal 6")
+        try:
+            name = signal.strsignal(-code) or "an unknown signal"
+        except ValueError:
+            name = "an unknown signal"
     return f"killed by {name} (signal {-code})"
 
 
@@ -96,12 +103,22 @@ def _dead_without_report(launcher: Any, pending: set, gone_since: Dict[int, floa
             continue
         who = _party_of(launcher, rank)
         why = (f"fate-rdma: party {who} ended ({exit_status(code)}) without reporting to FATE's launcher: it failed "
-               "before its job began (while FATE built its context and federation) or was killed; its log above "
-               "says why. The job stops now rather than leave the other parties waiting for it.")
+               "while FATE built its context and federation, left its job without raising an Exception (sys.exit, "
+               "os._exit), or was killed" + (" (its log above says why)" if code > 0 else "") + ". The job stops now "
+               "rather than leave the other parties waiting for it.")
         log.error(why)
-        launcher._exception_tb[rank] = why
+        launcher._exception_tb[rank] = _plain(why)
         return 1
     return None
+
+
+def _plain(text: str) -> Any:
+    """`text` for FATE's `show_exceptions` panel as it is (rich would read `[...]` in it as markup)."""
+    try:
+        from rich.text import Text
+    except ImportError:
+        return text
+    return Text(text)
 
 
 def patch_launcher(launcher_cls: Any) -> None:
@@ -111,10 +128,12 @@ def patch_launcher(launcher_cls: Any) -> None:
     if getattr(orig_wait, "_fate_rdma", False):
         return
 
+    @functools.wraps(orig_init)
     def __init__(self: Any, console: Any, parties: Any = None, *args: Any, **kwargs: Any) -> None:
         orig_init(self, console, parties, *args, **kwargs)
         self._fate_rdma_parties = parties
 
+    @functools.wraps(orig_wait)
     def wait(self: Any) -> int:
         return watched_wait(self) if _enabled() else orig_wait(self)
 
