@@ -144,8 +144,8 @@ def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ConfigError(f"{text_or_path}: not a readable YAML/JSON file: {exc}") from exc
     if not isinstance(doc, dict):
-        raise ConfigError(f"{text_or_path if len(text_or_path) < 200 else 'FATE_RDMA_CONF'}: the configuration must "
-                          f"be a mapping (with a fate_rdma section), got {type(doc).__name__}")
+        raise ConfigError(f"{text_or_path}: the configuration must be a mapping (with a fate_rdma section), "
+                          f"got {type(doc).__name__}")  # (inline JSON starts with "{": always a mapping)
     if "fate_rdma" in doc:
         return doc["fate_rdma"]
     for holder in (doc, doc.get("dag") if isinstance(doc.get("dag"), dict) else {}):  # task conf, fate-flow DAG

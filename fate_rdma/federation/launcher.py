@@ -71,8 +71,7 @@ def watched_wait(launcher: Any, poll_s: float = POLL_S, grace_s: float = GRACE_S
                  clock: Callable[[], float] = time.monotonic) -> int:
     """FATE's `wait` (0: every party reported success; 1: one reported an exception, whose traceback is
     kept for `show_exceptions`), plus: 1 as soon as a party has been gone for `grace_s` without reporting."""
-    parties = getattr(launcher, "world_size", len(launcher.processes))
-    pending = set(range(parties))
+    pending = set(range(launcher.world_size))
     gone_since: Dict[int, float] = {}
     while pending:
         try:
@@ -113,11 +112,10 @@ def _dead_without_report(launcher: Any, pending: set, gone_since: Dict[int, floa
 
 
 def _plain(text: str) -> Any:
-    """`text` for FATE's `show_exceptions` panel as it is (rich would read `[...]` in it as markup)."""
-    try:
-        from rich.text import Text
-    except ImportError:
-        return text
+    """`text` for FATE's `show_exceptions` panel as it is (rich, FATE's launcher's own dependency, would read
+    `[...]` in it as markup)."""
+    from rich.text import Text
+
     return Text(text)
 
 
