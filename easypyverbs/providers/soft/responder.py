@@ -44,7 +44,7 @@ class Responder:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cv.wait(left)
+                self._recv_cv.wait(left)
             return self._recv_q.popleft() if self._recv_q else None
 
     def _find_mr(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[Any]:
