@@ -45,6 +45,20 @@ def table(rows: List[Dict[str, Any]], columns: List[str], out: Optional[TextIO] 
     out.flush()
 
 
+def parse_size(text: str) -> int:
+    """A byte count written as 4096, 64K, 1M, 4MiB or 1.5G; ValueError naming `text` if it is none or not
+    positive."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"bad size {text!r} (try 4K, 1M, 64M)") from None
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return value
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

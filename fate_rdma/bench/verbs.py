@@ -19,7 +19,7 @@ import numpy as np
 import easypyverbs as ev
 
 from .driver import PeerProcess, RawTcp, connect_verbs, stream_writes
-from .report import emit, human_bytes, median, table
+from .report import emit, human_bytes, median, parse_size, table
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -41,12 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
     try:
-        return int(float(text.rstrip("KMG")) * mult)
-    except ValueError:
-        raise SystemExit(f"fate-rdma bench verbs: bad size {text!r} (try 4K, 1M, 64M)")
+        return parse_size(text)
+    except ValueError as exc:
+        raise SystemExit(f"fate-rdma bench verbs: {exc}") from None
 
 
 def _volume(size: int, quick: bool, cap: "int | None" = None) -> int:

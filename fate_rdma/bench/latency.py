@@ -1,0 +1,219 @@
+"""Message latency: a ping-pong of one message each way between two processes, fate-rdma's channel
+against raw TCP in the same run.
+
+Each round trip sends a message of the given size to a peer process, which receives it whole and
+answers with a message of the same size; the figure is the round trip's median (and 90th percentile)
+over the measured repetitions, after a warm-up. This is what a FedAvg round does at small sizes (LoRA
+adapters: the clients' uploads, the arbiter's answer), where a message's fixed costs outweigh its
+bytes, which `bench transfer`'s 1 GiB hides. `cpu_ms_local`, `cpu_ms_peer`: CPU milliseconds (user +
+system, every thread) each process spends per round trip (one message sent and one received).
+Raw TCP: one connection with TCP_NODELAY, sendall and recv_into. The channel's rows name the provider,
+the data path (soft provider: `tcp`, as between sites, or `same-host`; pyverbs: `verbs`) and whether the provider is an emulation: with
+the soft provider every figure is emulated verbs over TCP or shared memory, not RDMA. `x_raw_tcp`: raw
+TCP's median round trip over the row's (above 1: faster than raw TCP), both from this run.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .cpu import cpu_s
+from .report import emit, human_bytes, loadavg, parse_size, table
+
+MODES = ("fedrdma-e", "fedrdma")
+DEFAULT_SIZES = "64K,1M,4M"
+WARMUP = 10
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, e.g. 64K,1M,4M (default {DEFAULT_SIZES})")
+    p.add_argument("--reps", type=int, default=200, help="measured round trips per size and method (default 200)")
+    p.add_argument("--modes", default=",".join(MODES), help="channel modes to measure (default fedrdma-e,fedrdma)")
+    p.add_argument("--provider", default="soft",
+                   help="the channel's verbs provider: soft (default), pyverbs (a real RDMA device) or auto")
+    p.add_argument("--path", choices=("tcp", "same-host"), default="tcp",
+                   help="the soft provider's data path: tcp (as between sites, default) or same-host (shared memory)")
+    p.add_argument("--checksum", choices=("crc32c", "xxh3", "blake2b", "none"), default=None,
+                   help="the channel's end-to-end check (default: the channel's default, xxh3)")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="deadline for each message (default 30 s)")
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < view.nbytes:
+        got = sock.recv_into(view[pos:])
+        if not got:
+            raise ConnectionError(f"peer closed the connection after {pos} of {view.nbytes} bytes")
+        pos += got
+
+
+def _raw_peer(ctl: Any, nbytes: int, count: int, timeout_s: float) -> None:
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        srv.settimeout(timeout_s)
+        ctl.send(srv.getsockname()[1])
+        sock, _ = srv.accept()
+    with sock:
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf, data = memoryview(bytearray(nbytes)), np.ones(nbytes, dtype=np.uint8)
+        c0 = cpu_s()
+        for i in range(count):
+            _recv_exactly(sock, buf)
+            if i == WARMUP:
+                c0 = cpu_s()
+            sock.sendall(data)
+        ctl.send(cpu_s() - c0)
+
+
+def _channel_peer(ctl: Any, cfg: Dict[str, Any], nbytes: int, count: int, timeout_s: float) -> None:
+    import logging
+
+    from ..channel import Endpoint
+    from ..config import ChannelConfig
+
+    logging.basicConfig(level=logging.ERROR)
+    data = np.ones(nbytes, dtype=np.uint8)
+    with Endpoint(ChannelConfig.from_dict(cfg)) as ep:
+        ctl.send(ep.address)
+        if not ctl.poll(60):
+            raise TimeoutError("the driver did not name its endpoint within 60 s")
+        back = ctl.recv()
+        c0 = cpu_s()
+        for i in range(count):
+            ep.recv(timeout_s).release()
+            if i == WARMUP:
+                c0 = cpu_s()
+            ep.send(back, data).result(timeout_s)
+        ctl.send(cpu_s() - c0)
+        ctl.poll(timeout_s)  # until the driver holds its last message: closing then loses nothing
+
+
+def _peer(target: Any, *args: Any) -> Any:
+    """A separate interpreter (spawn, as on another host) running `target(ctl, *args)`; its control pipe."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(theirs, *args), daemon=True)
+    proc.start()
+    return proc, ours
+
+
+def _ctl_recv(ctl: Any, proc: Any, timeout_s: float) -> Any:
+    if not ctl.poll(timeout_s):
+        raise TimeoutError(f"the peer process did not answer within {timeout_s} s (exit code {proc.exitcode})")
+    return ctl.recv()
+
+
+def _stop(proc: Any) -> None:
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _summary(times: List[float], cpu_local: float, cpu_peer: float, reps: int) -> Dict[str, Any]:
+    ts = np.array(times) * 1e3
+    return {"rtt_ms_median": round(float(np.median(ts)), 4), "rtt_ms_p90": round(float(np.percentile(ts, 90)), 4),
+            "cpu_ms_local": round(cpu_local * 1e3 / reps, 4), "cpu_ms_peer": round(cpu_peer * 1e3 / reps, 4)}
+
+
+def _raw(nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
+    proc, ctl = _peer(_raw_peer, nbytes, reps + WARMUP + 1, timeout_s)
+    try:
+        port = _ctl_recv(ctl, proc, 60)
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data, buf, times = np.ones(nbytes, dtype=np.uint8), memoryview(bytearray(nbytes)), []
+            c0 = cpu_s()
+            for i in range(reps + WARMUP + 1):
+                if i == WARMUP + 1:
+                    c0 = cpu_s()
+                t0 = time.perf_counter()
+                sock.sendall(data)
+                _recv_exactly(sock, buf)
+                times.append(time.perf_counter() - t0)
+            mine = cpu_s() - c0
+        return {"method": "raw_tcp", "provider": "tcp", "emulated": False, "path": "tcp",
+                **_summary(times[WARMUP + 1:], mine, _ctl_recv(ctl, proc, timeout_s), reps)}
+    finally:
+        _stop(proc)
+
+
+def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
+    from ..channel import Endpoint
+    from ..config import ChannelConfig
+
+    proc, ctl = _peer(_channel_peer, cfg, nbytes, reps + WARMUP + 1, timeout_s)
+    try:
+        address = _ctl_recv(ctl, proc, 60)
+        with Endpoint(ChannelConfig.from_dict(cfg)) as ep:
+            ctl.send(ep.address)
+            data, times = np.ones(nbytes, dtype=np.uint8), []
+            c0 = cpu_s()
+            for i in range(reps + WARMUP + 1):
+                if i == WARMUP + 1:
+                    c0 = cpu_s()
+                t0 = time.perf_counter()
+                ep.send(address, data).result(timeout_s)
+                ep.recv(timeout_s).release()
+                times.append(time.perf_counter() - t0)
+            mine = cpu_s() - c0
+            path = getattr(ep.connect(address).rcs[0].qp, "data_path", "verbs")
+            peer_cpu = _ctl_recv(ctl, proc, timeout_s)
+            ctl.send("done")
+            return {"method": cfg["mode"], "provider": ep.ctx.provider, "emulated": ep.ctx.emulated,
+                    "label": ep.ctx.label, "path": path, "checksum": cfg.get("checksum", "xxh3"),
+                    **_summary(times[WARMUP + 1:], mine, peer_cpu, reps)}
+    finally:
+        _stop(proc)
+
+
+def _usage(why: str) -> int:
+    print(f"fate-rdma bench latency: {why}", file=sys.stderr)
+    return 2  # bad usage, as every fate-rdma command
+
+
+def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as exc:
+        return _usage(str(exc))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        return _usage(f"modes must be among {', '.join(MODES)}, got {args.modes!r}")
+    if not sizes or args.reps < 1:
+        return _usage("give at least one message size (--sizes) and --reps >= 1")
+    print(f"fate-rdma bench latency: sizes {', '.join(human_bytes(z) for z in sizes)}, {args.reps} round trips "
+          f"after {WARMUP} warm-up, path {args.path}, load average {loadavg()}", flush=True)
+    rows = []
+    for nbytes in sizes:
+        raw = {"bench": "latency", "msg_bytes": nbytes, **_raw(nbytes, args.reps, args.timeout_s)}
+        emit(raw, out)
+        rows.append(raw)
+        for mode in modes:
+            cfg: Dict[str, Any] = {"mode": mode, "provider": args.provider, "same_host": args.path == "same-host"}
+            if args.checksum:
+                cfg["checksum"] = args.checksum
+            row = {"bench": "latency", "msg_bytes": nbytes, **_channel(cfg, nbytes, args.reps, args.timeout_s)}
+            row["x_raw_tcp"] = round(raw["rtt_ms_median"] / row["rtt_ms_median"], 3)
+            emit(row, out)
+            rows.append(row)
+    print()
+    for r in rows:
+        r["size"] = human_bytes(r["msg_bytes"])
+    table(rows, ["size", "method", "provider", "path", "emulated", "checksum", "rtt_ms_median", "rtt_ms_p90",
+                 "x_raw_tcp", "cpu_ms_local", "cpu_ms_peer", "loadavg_1m"], out)
+    if any(r.get("emulated") for r in rows):
+        print("the soft provider is an emulation of verbs (over TCP, or shared memory on the same-host path), "
+              "not RDMA: these are emulated figures", flush=True)
+    print(f"cpu_ms_local, cpu_ms_peer: CPU milliseconds per round trip of this process and of the peer (pid "
+          f"{os.getpid()} and a spawned one), user + system, every thread", flush=True)
+    return 0
