@@ -42,3 +42,11 @@ def test_bench_latency_same_host_path_and_bad_arguments():
                      (["--modes", "grpc"], "modes must be among"), (["--reps", "0"], "--reps >= 1")):
         out = subprocess.run(BASE + bad, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_bench_latency_names_a_peer_that_fails_and_exits_1():
+    out = subprocess.run(BASE[:-4] + ["--provider", "nosuch", "--reps", "2", "--sizes", "4K", "--modes", "fedrdma-e"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "the peer process failed: ConfigError" in out.stderr and "nosuch" in out.stderr
+    assert "Traceback" not in out.stderr

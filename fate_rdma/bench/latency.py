@@ -8,9 +8,10 @@ adapters: the clients' uploads, the arbiter's answer), where a message's fixed c
 bytes, which `bench transfer`'s 1 GiB hides. `cpu_ms_local`, `cpu_ms_peer`: CPU milliseconds (user +
 system, every thread) each process spends per round trip (one message sent and one received).
 Raw TCP: one connection with TCP_NODELAY, sendall and recv_into. The channel's rows name the provider,
-the data path (soft provider: `tcp`, as between sites, or `same-host`; pyverbs: `verbs`) and whether the provider is an emulation: with
-the soft provider every figure is emulated verbs over TCP or shared memory, not RDMA. `x_raw_tcp`: raw
-TCP's median round trip over the row's (above 1: faster than raw TCP), both from this run.
+the data path (soft provider: `tcp`, as between sites, or `same-host`; pyverbs: `verbs`) and whether the
+provider is an emulation: with the soft provider every figure is emulated verbs over TCP or shared
+memory, not RDMA. `x_raw_tcp`: raw TCP's median round trip over the row's (above 1: faster than raw
+TCP), both from this run. A peer that fails is named with its error (exit 1); bad arguments exit 2.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from easypyverbs.errors import EasyVerbsError
+
+from ..errors import FateRdmaError
 from .cpu import cpu_s
 from .report import emit, human_bytes, loadavg, parse_size, table
 
@@ -97,19 +101,38 @@ def _channel_peer(ctl: Any, cfg: Dict[str, Any], nbytes: int, count: int, timeou
         ctl.poll(timeout_s)  # until the driver holds its last message: closing then loses nothing
 
 
+class _PeerFailed(RuntimeError):
+    """The peer process failed; its error, as it reported it."""
+
+
+def _peer_main(target: Any, ctl: Any, *args: Any) -> None:
+    try:
+        target(ctl, *args)
+    except BaseException as exc:  # reported to the driver, which names it; nothing else reads this process
+        ctl.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
 def _peer(target: Any, *args: Any) -> Any:
     """A separate interpreter (spawn, as on another host) running `target(ctl, *args)`; its control pipe."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(theirs, *args), daemon=True)
+    proc = ctx.Process(target=_peer_main, args=(target, theirs, *args), daemon=True)
     proc.start()
     return proc, ours
 
 
 def _ctl_recv(ctl: Any, proc: Any, timeout_s: float) -> Any:
-    if not ctl.poll(timeout_s):
-        raise TimeoutError(f"the peer process did not answer within {timeout_s} s (exit code {proc.exitcode})")
-    return ctl.recv()
+    """The peer's next answer; an error as soon as the peer process is gone without one, or at `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ctl.poll(0.2):
+        if not proc.is_alive() and not ctl.poll(0):
+            raise _PeerFailed(f"the peer process ended (exit code {proc.exitcode}) without answering")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the peer process did not answer within {timeout_s} s")
+    got = ctl.recv()
+    if isinstance(got, dict) and "error" in got:
+        raise _PeerFailed(f"the peer process failed: {got['error']}")
+    return got
 
 
 def _stop(proc: Any) -> None:
@@ -176,6 +199,24 @@ def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float) -> D
         _stop(proc)
 
 
+def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str],
+             out: Optional[Any]) -> List[Dict[str, Any]]:
+    rows = []
+    for nbytes in sizes:
+        raw = {"bench": "latency", "msg_bytes": nbytes, **_raw(nbytes, args.reps, args.timeout_s)}
+        emit(raw, out)
+        rows.append(raw)
+        for mode in modes:
+            cfg: Dict[str, Any] = {"mode": mode, "provider": args.provider, "same_host": args.path == "same-host"}
+            if args.checksum:
+                cfg["checksum"] = args.checksum
+            row = {"bench": "latency", "msg_bytes": nbytes, **_channel(cfg, nbytes, args.reps, args.timeout_s)}
+            row["x_raw_tcp"] = round(raw["rtt_ms_median"] / row["rtt_ms_median"], 3)
+            emit(row, out)
+            rows.append(row)
+    return rows
+
+
 def _usage(why: str) -> int:
     print(f"fate-rdma bench latency: {why}", file=sys.stderr)
     return 2  # bad usage, as every fate-rdma command
@@ -193,19 +234,12 @@ def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
         return _usage("give at least one message size (--sizes) and --reps >= 1")
     print(f"fate-rdma bench latency: sizes {', '.join(human_bytes(z) for z in sizes)}, {args.reps} round trips "
           f"after {WARMUP} warm-up, path {args.path}, load average {loadavg()}", flush=True)
-    rows = []
-    for nbytes in sizes:
-        raw = {"bench": "latency", "msg_bytes": nbytes, **_raw(nbytes, args.reps, args.timeout_s)}
-        emit(raw, out)
-        rows.append(raw)
-        for mode in modes:
-            cfg: Dict[str, Any] = {"mode": mode, "provider": args.provider, "same_host": args.path == "same-host"}
-            if args.checksum:
-                cfg["checksum"] = args.checksum
-            row = {"bench": "latency", "msg_bytes": nbytes, **_channel(cfg, nbytes, args.reps, args.timeout_s)}
-            row["x_raw_tcp"] = round(raw["rtt_ms_median"] / row["rtt_ms_median"], 3)
-            emit(row, out)
-            rows.append(row)
+    try:
+        rows = _measure(args, sizes, modes, out)
+    except (FateRdmaError, EasyVerbsError, RuntimeError, OSError) as exc:  # TimeoutError is an OSError
+        what = "" if isinstance(exc, _PeerFailed) else f"{type(exc).__name__}: "
+        print(f"fate-rdma bench latency: {what}{exc}", file=sys.stderr)
+        return 1
     print()
     for r in rows:
         r["size"] = human_bytes(r["msg_bytes"])

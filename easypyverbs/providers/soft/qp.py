@@ -70,9 +70,10 @@ class SoftQP(Responder, QP):
         # send thread (a WR queued, a doorbell write's rest), `_recv_cv` a responder waiting for a posted
         # receive, `_cv` the rest (close's drain, state changes). One condition for all woke the send
         # thread for every ACK and every posted receive: 18 needless thread switches per 64 KiB round trip
-        self._cv = threading.Condition(threading.RLock())
-        self._tx_cv = threading.Condition(self._cv._lock)  # type: ignore[attr-defined]
-        self._recv_cv = threading.Condition(self._cv._lock)  # type: ignore[attr-defined]
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        self._tx_cv = threading.Condition(lock)
+        self._recv_cv = threading.Condition(lock)
         self._send_q: Deque[_WR] = collections.deque()
         self._inflight: Deque[_WR] = collections.deque()
         self._outstanding = 0
