@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 BASE = [sys.executable, "-m", "fate_rdma.cli", "bench", "latency", "--provider", "soft", "--reps", "5"]
 
 
@@ -44,9 +46,26 @@ def test_bench_latency_same_host_path_and_bad_arguments():
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-def test_bench_latency_names_a_peer_that_fails_and_exits_1():
+def test_bench_latency_refuses_a_bad_channel_config_in_one_line():
     out = subprocess.run(BASE[:-4] + ["--provider", "nosuch", "--reps", "2", "--sizes", "4K", "--modes", "fedrdma-e"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "the peer process failed: ConfigError" in out.stderr and "nosuch" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert "ConfigError" in out.stderr and "nosuch" in out.stderr and "Traceback" not in out.stderr
+
+
+def _fails(ctl):
+    raise ValueError("boom in the peer")
+
+
+def test_a_peer_error_reaches_the_driver_by_name():
+    from fate_rdma.bench import latency
+
+    proc, ctl = latency._peer(_fails)
+    try:
+        with pytest.raises(latency._PeerFailed, match="the peer process failed: ValueError: boom in the peer"):
+            latency._ctl_recv(ctl, proc, 30)
+        proc.join(10)
+        # a failure of the driver's own (its symptom) gives way to the error the peer sent, if any
+        assert str(latency._peer_error(ctl, TimeoutError("symptom"))) == "symptom"
+    finally:
+        latency._stop(proc, ctl)

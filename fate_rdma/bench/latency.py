@@ -16,6 +16,7 @@ TCP), both from this run. A peer that fails is named with its error (exit 1); ba
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import multiprocessing as mp
 import os
 import socket
@@ -71,9 +72,9 @@ def _raw_peer(ctl: Any, nbytes: int, count: int, timeout_s: float) -> None:
         buf, data = memoryview(bytearray(nbytes)), np.ones(nbytes, dtype=np.uint8)
         c0 = cpu_s()
         for i in range(count):
-            _recv_exactly(sock, buf)
-            if i == WARMUP:
+            if i == WARMUP:  # the driver's measured round trips begin: its message i, this answer
                 c0 = cpu_s()
+            _recv_exactly(sock, buf)
             sock.sendall(data)
         ctl.send(cpu_s() - c0)
 
@@ -93,9 +94,9 @@ def _channel_peer(ctl: Any, cfg: Dict[str, Any], nbytes: int, count: int, timeou
         back = ctl.recv()
         c0 = cpu_s()
         for i in range(count):
-            ep.recv(timeout_s).release()
-            if i == WARMUP:
+            if i == WARMUP:  # the driver's measured round trips begin: its message i, this answer
                 c0 = cpu_s()
+            ep.recv(timeout_s).release()
             ep.send(back, data).result(timeout_s)
         ctl.send(cpu_s() - c0)
         ctl.poll(timeout_s)  # until the driver holds its last message: closing then loses nothing
@@ -118,6 +119,7 @@ def _peer(target: Any, *args: Any) -> Any:
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_peer_main, args=(target, theirs, *args), daemon=True)
     proc.start()
+    theirs.close()  # the child's end: once it exits, our end reads EOF
     return proc, ours
 
 
@@ -135,11 +137,24 @@ def _ctl_recv(ctl: Any, proc: Any, timeout_s: float) -> Any:
     return got
 
 
-def _stop(proc: Any) -> None:
+def _peer_error(ctl: Any, exc: BaseException) -> BaseException:
+    """What the driver reports for its own failure `exc`: the peer's error instead, if the peer sent one
+    (the driver's is then only its symptom, a closed connection or a timeout)."""
+    try:
+        got = ctl.recv() if ctl.poll(0.5) else None
+    except (EOFError, OSError):
+        got = None
+    if isinstance(got, dict) and "error" in got:
+        return _PeerFailed(f"the peer process failed: {got['error']}")
+    return exc
+
+
+def _stop(proc: Any, ctl: Any) -> None:
     proc.join(timeout=10)
     if proc.is_alive():
         proc.kill()
         proc.join()
+    ctl.close()
 
 
 def _summary(times: List[float], cpu_local: float, cpu_peer: float, reps: int) -> Dict[str, Any]:
@@ -149,15 +164,15 @@ def _summary(times: List[float], cpu_local: float, cpu_peer: float, reps: int) -
 
 
 def _raw(nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
-    proc, ctl = _peer(_raw_peer, nbytes, reps + WARMUP + 1, timeout_s)
+    proc, ctl = _peer(_raw_peer, nbytes, reps + WARMUP, timeout_s)
     try:
         port = _ctl_recv(ctl, proc, 60)
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             data, buf, times = np.ones(nbytes, dtype=np.uint8), memoryview(bytearray(nbytes)), []
             c0 = cpu_s()
-            for i in range(reps + WARMUP + 1):
-                if i == WARMUP + 1:
+            for i in range(reps + WARMUP):
+                if i == WARMUP:
                     c0 = cpu_s()
                 t0 = time.perf_counter()
                 sock.sendall(data)
@@ -165,24 +180,27 @@ def _raw(nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
                 times.append(time.perf_counter() - t0)
             mine = cpu_s() - c0
         return {"method": "raw_tcp", "provider": "tcp", "emulated": False, "path": "tcp",
-                **_summary(times[WARMUP + 1:], mine, _ctl_recv(ctl, proc, timeout_s), reps)}
+                **_summary(times[WARMUP:], mine, _ctl_recv(ctl, proc, timeout_s), reps)}
+    except (OSError, TimeoutError) as exc:
+        raise _peer_error(ctl, exc) from exc
     finally:
-        _stop(proc)
+        _stop(proc, ctl)
 
 
 def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
     from ..channel import Endpoint
     from ..config import ChannelConfig
 
-    proc, ctl = _peer(_channel_peer, cfg, nbytes, reps + WARMUP + 1, timeout_s)
+    config = ChannelConfig.from_dict(cfg)
+    proc, ctl = _peer(_channel_peer, cfg, nbytes, reps + WARMUP, timeout_s)
     try:
         address = _ctl_recv(ctl, proc, 60)
-        with Endpoint(ChannelConfig.from_dict(cfg)) as ep:
+        with Endpoint(config) as ep:
             ctl.send(ep.address)
             data, times = np.ones(nbytes, dtype=np.uint8), []
             c0 = cpu_s()
-            for i in range(reps + WARMUP + 1):
-                if i == WARMUP + 1:
+            for i in range(reps + WARMUP):
+                if i == WARMUP:
                     c0 = cpu_s()
                 t0 = time.perf_counter()
                 ep.send(address, data).result(timeout_s)
@@ -193,10 +211,12 @@ def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float) -> D
             peer_cpu = _ctl_recv(ctl, proc, timeout_s)
             ctl.send("done")
             return {"method": cfg["mode"], "provider": ep.ctx.provider, "emulated": ep.ctx.emulated,
-                    "label": ep.ctx.label, "path": path, "checksum": cfg.get("checksum", "xxh3"),
-                    **_summary(times[WARMUP + 1:], mine, peer_cpu, reps)}
+                    "label": ep.ctx.label, "path": path, "checksum": config.checksum,
+                    **_summary(times[WARMUP:], mine, peer_cpu, reps)}
+    except (FateRdmaError, EasyVerbsError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+        raise _peer_error(ctl, exc) from exc
     finally:
-        _stop(proc)
+        _stop(proc, ctl)
 
 
 def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str],
@@ -236,7 +256,7 @@ def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
           f"after {WARMUP} warm-up, path {args.path}, load average {loadavg()}", flush=True)
     try:
         rows = _measure(args, sizes, modes, out)
-    except (FateRdmaError, EasyVerbsError, RuntimeError, OSError) as exc:  # TimeoutError is an OSError
+    except (FateRdmaError, EasyVerbsError, RuntimeError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
         what = "" if isinstance(exc, _PeerFailed) else f"{type(exc).__name__}: "
         print(f"fate-rdma bench latency: {what}{exc}", file=sys.stderr)
         return 1

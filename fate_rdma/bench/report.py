@@ -52,7 +52,7 @@ def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     try:
         value = int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ValueError(f"bad size {text!r} (try 4K, 1M, 64M)") from None
     if value <= 0:
         raise ValueError(f"a size must be positive, got {text!r}")
