@@ -6,9 +6,10 @@ argument checking, bounds checks and lifetime rules live here once, so both prov
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 from .buffers import address_of, as_byte_view
 from .enums import Access, QPState, WCOpcode
@@ -343,6 +344,25 @@ class QP(Resource):
             raise UsageError(f"remote MR rkey {remote.rkey:#x} / address {remote.addr:#x} + {remote.length} bytes "
                              f"outside 32 / 64 bits")
         self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator["QP"]:
+        """Post the send-queue WRs of the `with` block as one list, as ibv_post_send takes a chain of WRs:
+        the provider may hand them to the wire together (the soft provider: in one vectored write, which
+        the peer answers once). Each WR is checked, fails and completes as if posted alone; only their
+        departure is shared. Posts from the thread that opened the batch; batches do not nest."""
+        self._check_open()
+        self._begin_batch()
+        try:
+            yield self
+        finally:
+            self._end_batch()
+
+    def _begin_batch(self) -> None:
+        """Provider hook: hold this thread's posts until _end_batch (default: each goes when posted)."""
+
+    def _end_batch(self) -> None:
+        """Provider hook: hand the held posts to the wire."""
 
     def post_recv(self, sges: SGEs, wr_id: int = 0) -> None:
         """Post a receive buffer for an incoming SEND or WRITE_WITH_IMM (may be zero SGEs for imm-only)."""

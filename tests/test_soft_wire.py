@@ -278,3 +278,49 @@ def test_a_field_that_does_not_fit_is_refused_at_post():
         assert a.cq.wait_n(1, 10)[0].ok and a.qp.state == ev.QPState.RTS
     finally:
         close_pair([a, b])
+
+
+def test_a_batch_of_small_wrs_leaves_in_one_write_and_is_answered_once(monkeypatch):
+    """QP.batch on an idle requester: the WRs leave in one write from the posting thread, and the responder,
+    finding each next request already there, answers only the last (a cumulative ACK). A batch too large
+    for the doorbell goes to the send thread; another thread's posts during a batch are not held by it; a
+    batch on a QP that left RTS meanwhile is flushed; batches do not nest."""
+    calls = _spy_doorbell(monkeypatch)
+    answers = []
+    real_answer = qpmod.SoftQP._answer
+    monkeypatch.setattr(qpmod.SoftQP, "_answer", lambda self, *a, **k: (answers.append(a[2]), real_answer(self, *a, **k)))
+    a, b = make_pair("soft-tcp", size=1 << 20, cap=ev.QPCap(max_send_wr=64, max_recv_wr=16))
+    try:
+        a.buf[:] = bytes(i % 239 for i in range(len(a.buf)))
+        b.qp.post_recv([], wr_id=0)
+        with a.qp.batch():
+            for i in (3, 2, 1):
+                a.qp.post_write(a.mr.sge(i * 4096, 4096), b.mr.remote(), remote_offset=i * 4096, wr_id=i, signaled=i == 1)
+            a.qp.post_write_with_imm(a.mr.sge(0, 4096), b.mr.remote(), imm=5, wr_id=4)
+            assert calls == []  # held until the batch ends
+        assert b.cq.wait_n(1, 10)[0].imm_data == 5 and bytes(b.buf[:4 * 4096]) == bytes(a.buf[:4 * 4096])
+        assert [wc.wr_id for wc in a.cq.wait_n(2, 10)] == [1, 4]
+        assert calls == [threading.current_thread().name] and answers == [wire.ACK]
+        calls.clear()
+        with a.qp.batch():  # more WRs than the doorbell takes at once: the send thread writes them
+            for i in range(qpmod.DOORBELL_BATCH_WRS + 1):
+                a.qp.post_write(a.mr.sge(i * 512, 512), b.mr.remote(), remote_offset=i * 512, wr_id=20 + i)
+            other = threading.Thread(target=a.qp.post_write, args=(a.mr.sge(0, 8), b.mr.remote()),
+                                     kwargs={"remote_offset": 1 << 19, "wr_id": 99})
+            other.start()
+            other.join(10)
+            assert a.cq.wait_n(1, 10)[0].wr_id == 99  # another thread's post went at once
+        wcs = a.cq.wait_n(qpmod.DOORBELL_BATCH_WRS + 1, 10)
+        assert [wc.wr_id for wc in wcs] == list(range(20, 21 + qpmod.DOORBELL_BATCH_WRS)) and all(wc.ok for wc in wcs)
+        assert calls == ["other"] or (len(calls) == 1 and calls[0] != threading.current_thread().name)
+        with pytest.raises(ev.UsageError, match="do not nest"):
+            with a.qp.batch():
+                with a.qp.batch():
+                    pass
+        with a.qp.batch():
+            a.qp.post_write(a.mr.sge(0, 8), b.mr.remote(), wr_id=40)
+            a.qp._enter_error(ev.WCStatus.WR_FLUSH_ERR, "test: the QP fails while a batch is open")
+        (wc,) = a.cq.wait_n(1, 10)
+        assert wc.wr_id == 40 and wc.status == ev.WCStatus.WR_FLUSH_ERR
+    finally:
+        close_pair([a, b])

@@ -171,6 +171,30 @@ def test_many_writes_then_imm_arrive_in_order(pair):
     assert wa.wr_id == 0 and a.cq.poll() == []
 
 
+def test_a_batch_of_posts_completes_as_if_posted_one_by_one(pair):
+    a, b = pair
+    a.buf[:] = os.urandom(len(a.buf))
+    b.qp.post_recv([], wr_id=0)
+    chunk = 4096
+    with a.qp.batch():  # a small message's chunks and header, as FedRDMA-E posts them
+        a.qp.post_write(a.mr.sge(2 * chunk, chunk), b.mr.remote(), remote_offset=2 * chunk, wr_id=2, signaled=False)
+        a.qp.post_write(a.mr.sge(chunk, chunk), b.mr.remote(), remote_offset=chunk, wr_id=1)
+        a.qp.post_write_with_imm(a.mr.sge(0, chunk), b.mr.remote(), imm=7, wr_id=3)
+    (wb,) = b.cq.wait(T)
+    assert wb.ok and wb.imm_data == 7 and bytes(b.buf[:3 * chunk]) == bytes(a.buf[:3 * chunk])
+    got = a.cq.wait(T)
+    got += a.cq.wait(T) if len(got) < 2 else []
+    assert [(w.wr_id, w.ok) for w in got] == [(1, True), (3, True)] and a.cq.poll() == []  # the signaled ones
+    with pytest.raises(ev.UsageError):  # a WR is checked when posted, inside a batch too
+        with a.qp.batch():
+            a.qp.post_write(a.mr.sge(0, 8), b.mr.remote(), remote_offset=len(b.buf))
+    with a.qp.batch():
+        pass  # an empty batch sends nothing
+    a.qp.post_send(a.mr.sge(0, 4), wr_id=9)  # and the QP goes on as before
+    b.qp.post_recv(b.mr.sge(0, 4), wr_id=8)
+    assert b.cq.wait(T)[0].ok and a.cq.wait(T)[0].wr_id == 9
+
+
 def test_read(pair):
     a, b = pair
     b.buf[0:6] = b"remote"

@@ -15,6 +15,7 @@ sender RETURNs each once no transfer of its uses it, and the receiver shrinks it
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -111,8 +112,16 @@ class SlotSender:
             o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
         m.hold_header = o.checksums and not o.crc_future.done()
         m.ready_from = o.payload.ready_from()
-        for c in m.next_chunks():
-            self._post(o, c)
+        chunks = m.next_chunks()
+        if len(chunks) < 2:
+            for c in chunks:
+                self._post(o, c)
+            return
+        with contextlib.ExitStack() as batches:  # one list per QP: a small message's chunks and header in one write
+            for rc in self.conn.rcs:
+                batches.enter_context(rc.qp.batch())
+            for c in chunks:
+                self._post(o, c)
 
     def _post(self, o: "Outgoing", c: P.Chunk) -> None:
         conn = self.conn

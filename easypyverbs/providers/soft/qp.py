@@ -46,6 +46,9 @@ SEND_BATCH_BYTES = 1 << 20
 #: 0.74 to 0.66 ms (medians over 8 A/B pairs of scratch runs, README; 2-core test machine)
 INLINE_SEND_BYTES = 64 << 10
 DOORBELL_INFLIGHT = 3
+#: most WRs of one batch (QP.batch) the posting thread writes itself, each at most INLINE_SEND_BYTES: a
+#: small message's chunks and header in one write instead of one each
+DOORBELL_BATCH_WRS = 4
 
 
 class _WR:
@@ -79,6 +82,8 @@ class SoftQP(Responder, QP):
         self._outstanding = 0
         self._tx_busy = False  # a thread is writing requests to the wire (only one does, in PSN order)
         self._tail: Optional[List[memoryview]] = None  # a doorbell write's part that did not fit the socket
+        self._batch: Optional[List[_WR]] = None  # WRs posted inside QP.batch(), held until it ends
+        self._batch_owner = 0  # the thread that opened it
         self._recv_q: Deque[Any] = collections.deque()
         self._req_sock: Optional[Any] = None  # a socket, or a TLSStream with TLS on
         self._resp_sock: Optional[Any] = None
@@ -188,24 +193,66 @@ class SoftQP(Responder, QP):
             if self._outstanding >= self.cap.max_send_wr:
                 raise EasyVerbsError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)", 12)  # ENOMEM
             self._outstanding += 1
-            # a small WR posted to a requester that is not streaming (nothing queued or being written, at
-            # most DOORBELL_INFLIGHT - 1 WRs awaiting their answer) leaves from this thread, as if the
-            # doorbell rang the wire: one thread hand-off less for a lone message (a control frame, a
-            # small payload), about a tenth of a 0-byte transfer's round trip on this 2-core machine. A stream
-            # of WRs still goes through the send thread, which batches them into few writes. Never
-            # under a link model (each WR is paced) or TLS (a TLSStream takes no partial write).
-            sock = self._req_sock
-            doorbell = (wr.length <= INLINE_SEND_BYTES and len(self._inflight) < DOORBELL_INFLIGHT
-                        and not self._send_q and not self._tx_busy and self._st == QPState.RTS
-                        and not self._closing and isinstance(sock, socket.socket)
-                        and not self.ctx.link)  # type: ignore[attr-defined]
-            if not doorbell:
+            if self._batch is not None and self._batch_owner == threading.get_ident():
+                self._batch.append(wr)  # leaves with its batch (_end_batch)
+                return
+            if not self._may_ring([wr]):
                 self._send_q.append(wr)
                 self._tx_cv.notify()
                 return
             self._tx_busy = True
             self._number([wr])
-        bufs, broken, _ = self._frame([wr])
+        self._ring([wr])
+
+    def _may_ring(self, wrs: List[_WR]) -> bool:
+        """May the posting thread write `wrs` itself (under `_cv`)? Small WRs posted to a requester that is
+        not streaming (nothing queued or being written, at most DOORBELL_INFLIGHT - 1 WRs awaiting their
+        answer) leave from the posting thread, as if the doorbell rang the wire: one thread hand-off less
+        for a lone message (a control frame, a small payload), about a tenth of a 0-byte transfer's round
+        trip on this 2-core machine. A stream of WRs still goes through the send thread, which batches them
+        into few writes. Never under a link model (each WR is paced) or TLS (a TLSStream takes no partial
+        write)."""
+        return (len(wrs) <= DOORBELL_BATCH_WRS and all(w.length <= INLINE_SEND_BYTES for w in wrs)
+                and len(self._inflight) < DOORBELL_INFLIGHT and not self._send_q and not self._tx_busy
+                and self._st == QPState.RTS and not self._closing and isinstance(self._req_sock, socket.socket)
+                and not self.ctx.link)  # type: ignore[attr-defined]
+
+    def _begin_batch(self) -> None:
+        with self._cv:
+            if self._batch is not None:
+                raise UsageError(f"QP {self.qpn} already has a batch of posts open (batches do not nest)")
+            self._batch, self._batch_owner = [], threading.get_ident()
+
+    def _end_batch(self) -> None:
+        """Hand the batch's WRs on together: written by this thread (one write) if `_may_ring`, else queued
+        for the send thread at once; on a QP that left RTS meanwhile, flushed as its queue was."""
+        with self._cv:
+            batch, self._batch = self._batch or [], None
+            if not batch:
+                return
+            live = self._st == QPState.RTS and not self._closing
+            if not live:
+                self._outstanding -= len(batch)
+            elif not self._may_ring(batch):
+                self._send_q.extend(batch)
+                self._tx_cv.notify()
+                return
+            else:
+                self._tx_busy = True
+                self._number(batch)
+        if live:
+            self._ring(batch)
+            return
+        why = "the QP left RTS before its batch was handed on"
+        for wr in batch:
+            wc = WC(wr.wr_id, WCStatus.WR_FLUSH_ERR, OPCODE_OF[wr.op], 0, None, self.qpn, reason=why)
+            self.send_cq.push(wc)  # type: ignore[attr-defined]
+
+    def _ring(self, wrs: List[_WR]) -> None:
+        """Write `wrs` (numbered; this thread holds `_tx_busy`) to the wire from this thread; what the
+        socket cannot take now goes to the send thread, before any other WR."""
+        sock = self._req_sock
+        bufs, broken, _ = self._frame(wrs)
         status = WCStatus.LOC_PROT_ERR  # if `broken`: its MR went away after posting
         try:
             rest = wire.send_without_waiting(sock, bufs) if bufs else []
@@ -300,6 +347,7 @@ class SoftQP(Responder, QP):
                 return
             with self._cv:
                 self._tx_busy = False
+                self._cv.notify_all()  # for whoever waits on `_cv` for the writer to let go (tests)
             if link:  # the link stays busy until the last bit has left
                 pause = free_at - time.monotonic()
                 if pause > 0:
