@@ -1,7 +1,8 @@
 """Soft provider: the RC queue pair.
 
 Each direction of a connected pair is one TCP connection from the requester to the responder's
-emulated NIC. Requester threads: `sender` (transmits WRs in order, the WRs posted meanwhile in one
+emulated NIC. This module: the QP's state, connection and teardown; requester.py and responder.py its
+two halves. Requester threads: `sender` (transmits WRs in order, the WRs posted meanwhile in one
 vectored write, paced by the link model; a lone small WR leaves from the posting thread instead,
 `_post`) and `acks` (reads ACK/NAK/READ responses, completes WRs in order, a cumulative ACK's WRs at
 once). Responder thread: `responder` (validates each request against
@@ -18,7 +19,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, List, Optional
 
 from ...api import CQ, OPCODE_OF, PD, QP, SGE
 from ...enums import QPState, WCOpcode, WCStatus
@@ -27,40 +28,15 @@ from ...tls import TLSStream, handshake
 from ...types import WC, QPCap, QPInfo
 from . import samehost, shm, wire
 from .link import DelayLine
-from .responder import PSN_MASK, Responder, _OPS
+from .requester import DOORBELL_BATCH_WRS, DOORBELL_INFLIGHT, Requester, _WR  # noqa: F401 (the tests read them here)
+from .responder import PSN_MASK, Responder
 
 log = logging.getLogger("easypyverbs.soft")
 
-#: most WRs the sender puts in one vectored write (each is a header and its payload's iovecs; sendmsg
-#: takes 512 iovecs at a time): enough to empty a window of small WRITEs in one system call
-SEND_BATCH_WRS = 64
-#: and at most this many payload bytes (a larger WR still goes, alone): batching saves system calls,
-#: which only small WRs feel. Uncapped, a window of 32 x 4 MiB WRITEs left in one sendmsg and reached
-#: 0.58-0.85 x raw TCP in `bench verbs --quick --soft-path tcp` where one WR per call reached 0.79-1.10
-#: (2-core test machine, same runs)
-SEND_BATCH_BYTES = 1 << 20
-#: largest WR the posting thread writes to the wire itself when the requester is not streaming, and the
-#: fewest WRs in flight that count as a stream (`_post`): with at most 2 in flight, a window of 32
-#: small WRITEs kept its batched rate in `bench verbs --quick --soft-path tcp` (4 KiB: 44k msgs/s
-#: against 46k; every WR from the posting thread: 24k), and a 0-byte transfer's round trip fell from
-#: 0.74 to 0.66 ms (medians over 8 A/B pairs of scratch runs, README; 2-core test machine)
-INLINE_SEND_BYTES = 64 << 10
-DOORBELL_INFLIGHT = 3
-#: most WRs of one batch (QP.batch) the posting thread writes itself, each at most INLINE_SEND_BYTES: a
-#: small message's chunks and header in one write instead of one each
-DOORBELL_BATCH_WRS = 4
 
 
-class _WR:
-    __slots__ = ("wr_id", "op", "sges", "raddr", "rkey", "imm", "signaled", "psn", "length")
 
-    def __init__(self, wr_id: int, op: str, sges: List[SGE], raddr: int, rkey: int, imm: Optional[int], signaled: bool) -> None:
-        self.wr_id, self.op, self.sges, self.raddr, self.rkey = wr_id, op, sges, raddr, rkey
-        self.imm, self.signaled, self.psn = imm, signaled, 0
-        self.length = sum(s.length for s in sges)
-
-
-class SoftQP(Responder, QP):
+class SoftQP(Requester, Responder, QP):
     def __init__(self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> None:
         super().__init__(pd, send_cq, recv_cq, cap)
         self.qpn = self.ctx.add_qp(self)  # type: ignore[attr-defined]
@@ -186,245 +162,13 @@ class SoftQP(Responder, QP):
         self._spawn(lambda: self._respond_loop(sock, psn, fwd_delay_s), "resp")
         return True
 
-    # -- posting --------------------------------------------------------------------------------
-    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
-        wr = _WR(wr_id, op, sges, raddr or 0, rkey, imm, signaled)
-        with self._cv:
-            if self._outstanding >= self.cap.max_send_wr:
-                raise EasyVerbsError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)", 12)  # ENOMEM
-            self._outstanding += 1
-            if self._batch is not None and self._batch_owner == threading.get_ident():
-                self._batch.append(wr)  # leaves with its batch (_end_batch)
-                return
-            if not self._may_ring([wr]):
-                self._send_q.append(wr)
-                self._tx_cv.notify()
-                return
-            self._tx_busy = True
-            self._number([wr])
-        self._ring([wr])
-
-    def _may_ring(self, wrs: List[_WR]) -> bool:
-        """May the posting thread write `wrs` itself (under `_cv`)? Small WRs posted to a requester that is
-        not streaming (nothing queued or being written, at most DOORBELL_INFLIGHT - 1 WRs awaiting their
-        answer) leave from the posting thread, as if the doorbell rang the wire: one thread hand-off less
-        for a lone message (a control frame, a small payload), about a tenth of a 0-byte transfer's round
-        trip on this 2-core machine. A stream of WRs still goes through the send thread, which batches them
-        into few writes. Never under a link model (each WR is paced) or TLS (a TLSStream takes no partial
-        write)."""
-        return (len(wrs) <= DOORBELL_BATCH_WRS and all(w.length <= INLINE_SEND_BYTES for w in wrs)
-                and len(self._inflight) < DOORBELL_INFLIGHT and not self._send_q and not self._tx_busy
-                and self._st == QPState.RTS and not self._closing and isinstance(self._req_sock, socket.socket)
-                and not self.ctx.link)  # type: ignore[attr-defined]
-
-    def _begin_batch(self) -> None:
-        with self._cv:
-            if self._batch is not None:
-                raise UsageError(f"QP {self.qpn} already has a batch of posts open (batches do not nest)")
-            self._batch, self._batch_owner = [], threading.get_ident()
-
-    def _end_batch(self) -> None:
-        """Hand the batch's WRs on together: written by this thread (one write) if `_may_ring`, else queued
-        for the send thread at once; on a QP that left RTS meanwhile, flushed as its queue was."""
-        with self._cv:
-            batch, self._batch = self._batch or [], None
-            if not batch:
-                return
-            live = self._st == QPState.RTS and not self._closing
-            if not live:
-                self._outstanding -= len(batch)
-            elif not self._may_ring(batch):
-                self._send_q.extend(batch)
-                self._tx_cv.notify()
-                return
-            else:
-                self._tx_busy = True
-                self._number(batch)
-        if live:
-            self._ring(batch)
-            return
-        why = "the QP left RTS before its batch was handed on"
-        for wr in batch:
-            wc = WC(wr.wr_id, WCStatus.WR_FLUSH_ERR, OPCODE_OF[wr.op], 0, None, self.qpn, reason=why)
-            self.send_cq.push(wc)  # type: ignore[attr-defined]
-
-    def _ring(self, wrs: List[_WR]) -> None:
-        """Write `wrs` (numbered; this thread holds `_tx_busy`) to the wire from this thread; what the
-        socket cannot take now goes to the send thread, before any other WR."""
-        sock = self._req_sock
-        bufs, broken, _ = self._frame(wrs)
-        status = WCStatus.LOC_PROT_ERR  # if `broken`: its MR went away after posting
-        try:
-            rest = wire.send_without_waiting(sock, bufs) if bufs else []
-        except OSError as exc:
-            rest, broken, status = [], f"send to peer failed: {exc}", WCStatus.RETRY_EXC_ERR
-        if broken is not None:  # nothing more goes on this QP (`_tx_busy` stays taken): it errors
-            self._fail(status, broken)
-            return
-        with self._cv:
-            if rest:  # the socket's buffer was full: the send thread writes the rest before any other WR
-                self._tail = rest
-            else:
-                self._tx_busy = False
-            if self._can_write():
-                self._tx_cv.notify()
-
+    # -- posting: requester.py; receives ---------------------------------------------------------
     def _post_recv(self, sges: List[SGE], wr_id: int) -> None:
         with self._cv:
             if len(self._recv_q) >= self.cap.max_recv_wr:
                 raise EasyVerbsError(f"receive queue full ({self.cap.max_recv_wr} WRs posted)", 12)
             self._recv_q.append((wr_id, sges))
             self._recv_cv.notify()
-
-    # -- requester ------------------------------------------------------------------------------
-    def _can_write(self) -> bool:
-        """May the send thread write now (under `_cv`): a doorbell write's rest, or queued WRs while no
-        other thread writes."""
-        return self._tail is not None or (bool(self._send_q) and not self._tx_busy)
-
-    def _number(self, batch: List[_WR]) -> None:
-        """Give `batch` its PSNs and put it in flight (under `_cv`, by whoever holds `_tx_busy`)."""
-        for wr in batch:
-            wr.psn = self._next_psn
-            self._next_psn = (self._next_psn + 1) & PSN_MASK
-            self._inflight.append(wr)
-
-    def _frame(self, batch: List[_WR]) -> Tuple[List[memoryview], Optional[str], float]:
-        """The requests of `batch` as iovecs, the reason a WR cannot go (the ones before it still
-        go), and when the link model frees the wire."""
-        link = self.ctx.link  # type: ignore[attr-defined]
-        bufs: List[memoryview] = []
-        free_at = now = time.monotonic()
-        for wr in batch:
-            try:
-                views = [] if wr.op == "read" else [s.view() for s in wr.sges]
-            except UsageError as exc:  # MR deregistered after posting
-                return bufs, f"wr {wr.wr_id}: {exc}", free_at
-            opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0)
-            if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
-                opcode |= wire.OP_PULL
-                spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]
-                region = shm.region_of(spans)
-                views = [memoryview(wire.PULL_COUNT.pack(len(spans) | (wire.PULL_HAS_REGION if region else 0))
-                                    + b"".join(wire.PULL_SPAN.pack(*sp) for sp in spans)
-                                    + (wire.PULL_REGION.pack(*region) if region else b""))]
-            free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
-            bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr,
-                                                 wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))
-            bufs.extend(views)
-        return bufs, None, free_at
-
-    def _send_loop(self) -> None:
-        link = self.ctx.link  # type: ignore[attr-defined]
-        sock = self._req_sock
-        assert sock is not None
-        while True:
-            batch: List[_WR] = []
-            with self._cv:
-                while not self._can_write() and self._st == QPState.RTS and not self._closing:
-                    self._tx_cv.wait()
-                if self._st != QPState.RTS or not self._can_write():
-                    return  # (closing: a doorbell write may still be under way, and it is the only writer)
-                tail, self._tail = self._tail, None
-                if tail is None:
-                    # what was posted meanwhile leaves in one vectored write; under a link model one WR at
-                    # a time, since each is paced
-                    nbytes = 0
-                    while self._send_q and (not batch or (not link and len(batch) < SEND_BATCH_WRS
-                                                          and nbytes + self._send_q[0].length <= SEND_BATCH_BYTES)):
-                        batch.append(self._send_q.popleft())
-                        nbytes += batch[-1].length
-                    self._number(batch)
-                    self._tx_busy = True
-            bufs, broken, free_at = self._frame(batch) if tail is None else (tail, None, time.monotonic())
-            try:
-                wire.send_buffers(sock, bufs)
-            except OSError as exc:
-                self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
-                return
-            if broken is not None:  # nothing after it goes (`_tx_busy` stays taken): the QP errors
-                self._fail(WCStatus.LOC_PROT_ERR, broken)
-                return
-            with self._cv:
-                self._tx_busy = False
-                self._cv.notify_all()  # for whoever waits on `_cv` for the writer to let go (tests)
-            if link:  # the link stays busy until the last bit has left
-                pause = free_at - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-
-    def _ack_loop(self) -> None:
-        sock = self._req_sock
-        assert sock is not None
-        hdr = memoryview(bytearray(wire.RESP.size))
-        rd = wire.Reader(sock)  # the only reader of `sock`
-        delay = self.ctx.link_model.delay_s  # type: ignore[attr-defined]
-        while True:
-            try:
-                rd.read_into(hdr)
-            except (socket.timeout, BlockingIOError):  # SO_RCVTIMEO expired: fine unless WRs wait
-                with self._cv:
-                    stalled = bool(self._inflight) and not self._closing
-                if stalled:
-                    self._fail(WCStatus.RETRY_EXC_ERR, "no response from peer within the retry timeout")
-                    return
-                continue
-            except (OSError, wire.PeerClosed) as exc:
-                if not self._closing:
-                    with self._cv:
-                        busy = bool(self._inflight or self._send_q)
-                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}" if busy else f"peer disconnected: {exc}")
-                return
-            magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
-            # ACKs are cumulative (as on a real RC link): an answer for psn also acknowledges
-            # every earlier request still in flight
-            earlier: List[_WR] = []
-            wr = None
-            with self._cv:
-                idx = next((i for i, w in enumerate(self._inflight) if w.psn == psn), None)
-                if idx is not None:
-                    earlier = [self._inflight.popleft() for _ in range(idx)]
-                    wr = self._inflight.popleft()
-            if earlier:
-                self._complete_later(earlier, WCStatus.SUCCESS, delay)
-            if magic != wire.RESP_MAGIC or version != wire.VERSION or wr is None or wr.psn != psn \
-                    or kind not in (wire.ACK, wire.NAK, wire.READ_RESP) or status not in WCStatus.__members__.values():
-                if wr is not None:
-                    self._finish([wr], WCStatus.BAD_RESP_ERR)
-                self._fail(WCStatus.BAD_RESP_ERR, "malformed or unexpected response from peer")
-                return
-            if kind == wire.READ_RESP:
-                try:
-                    if length != wr.length:
-                        raise wire.PeerClosed(f"READ response of {length} bytes for a {wr.length}-byte read")
-                    for s in wr.sges:
-                        rd.read_into(s.view())
-                except (OSError, UsageError, wire.PeerClosed) as exc:
-                    self._finish([wr], WCStatus.LOC_PROT_ERR if isinstance(exc, UsageError) else WCStatus.BAD_RESP_ERR)
-                    self._fail(WCStatus.WR_FLUSH_ERR, f"READ response failed: {exc}")
-                    return
-            self._complete_later([wr], WCStatus(status), delay)
-
-    def _complete_later(self, wrs: List[_WR], st: WCStatus, delay: float) -> None:
-        """Complete `wrs` (in order, all with `st`) now, or after the link model's return delay."""
-        if self._ack_line is not None:
-            self._ack_line.submit(time.monotonic() + delay, lambda: self._finish(wrs, st))
-        else:
-            self._finish(wrs, st)
-
-    def _finish(self, wrs: List[_WR], status: WCStatus) -> None:
-        with self._cv:  # once for a cumulative ACK's WRs, not once each
-            self._outstanding -= len(wrs)
-            self._cv.notify_all()
-        if status != WCStatus.SUCCESS:
-            self._err_seen = True
-        why = "" if status == WCStatus.SUCCESS else f"the peer answered {status.name}"
-        cq, qpn = self.send_cq, self.qpn
-        for wr in wrs:
-            if status != WCStatus.SUCCESS or wr.signaled:
-                cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, qpn, reason=why))  # type: ignore[attr-defined]
-        if status != WCStatus.SUCCESS:
-            self._enter_error(WCStatus.WR_FLUSH_ERR, f"wr {wrs[-1].wr_id} failed with {status.name}")
 
     def _fail(self, status: WCStatus, why: str) -> None:
         """Error the QP after the completions already due (keeps completion order)."""
