@@ -113,9 +113,7 @@ class SlotSender:
         m.hold_header = o.checksums and not o.crc_future.done()
         m.ready_from = o.payload.ready_from()
         chunks = m.next_chunks()
-        if len(chunks) < 2:
-            for c in chunks:
-                self._post(o, c)
+        if not chunks:
             return
         with contextlib.ExitStack() as batches:  # one list per QP: a small message's chunks and header in one write
             for rc in self.conn.rcs:
