@@ -280,15 +280,48 @@ def test_a_field_that_does_not_fit_is_refused_at_post():
         close_pair([a, b])
 
 
+def _spy_answers(monkeypatch):
+    """The kinds of the responders' answers (ACK, NAK, ...), in order."""
+    answers = []
+    real_answer = qpmod.SoftQP._answer
+    monkeypatch.setattr(qpmod.SoftQP, "_answer", lambda self, *a, **k: (answers.append(a[2]), real_answer(self, *a, **k)))
+    return answers
+
+
+def test_sends_followed_by_more_requests_share_one_ack(monkeypatch):
+    """SENDs posted in one batch with a WRITE (a control frame and a message's chunk): each SEND's
+    receive completes at once, in order, with its bytes, but the responder answers only the last request
+    (one cumulative ACK), and every signaled WR completes at the requester, in order."""
+    answers = _spy_answers(monkeypatch)
+    a, b = make_pair("soft-tcp", size=1 << 20, cap=ev.QPCap(max_send_wr=64, max_recv_wr=16))
+    try:
+        a.buf[:] = bytes(i % 241 for i in range(len(a.buf)))
+        for k in range(2):
+            b.qp.post_recv(b.mr.sge(k * 4096, 4096), wr_id=k)
+        with a.qp.batch():
+            a.qp.post_send(a.mr.sge(8192, 100), wr_id=1, signaled=False)
+            a.qp.post_send(a.mr.sge(12288, 200), wr_id=2)
+            a.qp.post_write(a.mr.sge(16384, 4096), b.mr.remote(), remote_offset=16384, wr_id=3)
+        recvs = b.cq.wait_n(2, 10)
+        assert [(wc.wr_id, wc.byte_len, wc.ok) for wc in recvs] == [(0, 100, True), (1, 200, True)]
+        assert bytes(b.buf[:100]) == bytes(a.buf[8192:8292]) and bytes(b.buf[4096:4296]) == bytes(a.buf[12288:12488])
+        assert [(wc.wr_id, wc.ok) for wc in a.cq.wait_n(2, 10)] == [(2, True), (3, True)]
+        assert bytes(b.buf[16384:20480]) == bytes(a.buf[16384:20480])
+        assert answers == [wire.ACK]
+        b.qp.post_recv(b.mr.sge(8192, 4096), wr_id=5)
+        a.qp.post_send(a.mr.sge(0, 10), wr_id=4)  # alone (nothing after it): answered at once
+        assert b.cq.wait_n(1, 10)[0].ok and a.cq.wait_n(1, 10)[0].wr_id == 4 and answers == [wire.ACK, wire.ACK]
+    finally:
+        close_pair([a, b])
+
+
 def test_a_batch_of_small_wrs_leaves_in_one_write_and_is_answered_once(monkeypatch):
     """QP.batch on an idle requester: the WRs leave in one write from the posting thread, and the responder,
     finding each next request already there, answers only the last (a cumulative ACK). A batch too large
     for the doorbell goes to the send thread; another thread's posts during a batch are not held by it; a
     batch on a QP that left RTS meanwhile is flushed; batches do not nest."""
     calls = _spy_doorbell(monkeypatch)
-    answers = []
-    real_answer = qpmod.SoftQP._answer
-    monkeypatch.setattr(qpmod.SoftQP, "_answer", lambda self, *a, **k: (answers.append(a[2]), real_answer(self, *a, **k)))
+    answers = _spy_answers(monkeypatch)
     a, b = make_pair("soft-tcp", size=1 << 20, cap=ev.QPCap(max_send_wr=64, max_recv_wr=16))
     try:
         a.buf[:] = bytes(i % 239 for i in range(len(a.buf)))

@@ -12,6 +12,7 @@ All protocol state is touched by the engine thread only; user threads post reque
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import threading
@@ -65,7 +66,7 @@ class Connection:
         self._wrs: Dict[int, Tuple[Wr, Any, int, int]] = {}
         self._wr_seq = 0
         self._rr = 0
-        self._next_tid = 1
+        self._tids = itertools.count(2)  # (next() on it is atomic: user threads take ids without a lock)
         self._stop = False
         self.dead: Optional[BaseException] = None
         self.control = ControlSender(self.mem, lambda: self.rcs[0].qp, lambda idx: self._wr_id(Wr.CTRL, None, 0, idx))  # type: ignore[arg-type]
@@ -129,24 +130,18 @@ class Connection:
         if len(meta) > MAX_META:
             raise FateRdmaError(f"metadata of {len(meta)} bytes exceeds {MAX_META}")
         payload = Payload(self.endpoint.pd, buffers, fill)
-        tid = (id(self) & 0xFFFF) << 40 | self._take_tid()
+        tid = (id(self) & 0xFFFF) << 40 | next(self._tids)
         fut = TransferFuture(tid, payload.total, lambda f: self._request(Request.CANCEL, f))
         fut.set_running_or_notify_cancel()
         out = Outgoing(fut, payload, meta, self.send_integrity)
         if out.checksums and self.cfg.mode == "fedrdma-e":
             out.crc_future = payload_checksum_async(payload.views(), self.send_integrity, fill)
-            out.crc_future.add_done_callback(lambda _f: self.cq.wake())
+            if not out.crc_future.done():  # (a small payload's is taken at once: the SEND request wakes the engine)
+                out.crc_future.add_done_callback(lambda _f: self.cq.wake())
         if fill is not None:
             fill.on_change(self.cq.wake)
         self._request(Request.SEND, out)
         return fut
-
-    _tid_lock = threading.Lock()
-
-    def _take_tid(self) -> int:
-        with self._tid_lock:
-            self._next_tid += 1
-            return self._next_tid
 
     def _request(self, kind: Request, arg: Any) -> None:
         self._requests.append((kind, arg))
@@ -167,8 +162,9 @@ class Connection:
         try:
             self.probe.start(time.monotonic())
             while not self._stop:
-                self._handle_requests()
-                self._pump()
+                with self.control.held():  # this turn's control frames leave with its WRITEs
+                    self._handle_requests()
+                    self._pump()
                 try:
                     wcs = self.cq.wait(0.05, max_entries=64)
                 except ev.PollTimeout:
@@ -254,6 +250,8 @@ class Connection:
             self.fail_out(o, TransferCancelled(f"transfer {o.fut.transfer_id}: the payload's copy failed: {fill.error}",
                                                o.fut.transfer_id), tell_peer=True)
             return
+        if o.mode is not Mode.FEDRDMA_E:  # (FedRDMA-E posts the held control frames in its batch of WRITEs)
+            self.control.flush()  # a staged chunk's digest is taken between its WRITE and its header: no batch
         (self.slot_sender if o.mode is Mode.FEDRDMA_E else self.staged_sender).pump(o)  # type: ignore[union-attr]
 
     # -- posting (called by the modes) ----------------------------------------------------------

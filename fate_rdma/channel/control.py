@@ -3,9 +3,10 @@ probe that sizes the auto window."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import easypyverbs as ev
 
@@ -20,26 +21,72 @@ log = logging.getLogger("fate_rdma.channel")
 
 class ControlSender:
     """Posts control frames from a fixed set of buffers; when all are in flight, frames wait in order
-    in a backlog until a completion frees one."""
+    in a backlog until a completion frees one.
+
+    Only every SIGNAL_EVERY-th SEND (and each while buffers run short) asks for a completion: a
+    completion on the QP means every earlier SEND on it completed too, so it frees the buffers of all
+    frames posted before it, and the others cost the engine no completion to handle. Inside `held()`
+    (an engine's turn) frames wait until `flush()` posts them in the turn's batch of WRITEs, or until
+    the turn ends: a slot's CREDIT leaves with the next message's chunks in one write."""
+
+    #: at most this many SENDs in a row without a completion (fewer than the buffers: one always comes)
+    SIGNAL_EVERY = 16
 
     def __init__(self, mem: LocalMemory, qp: Callable[[], ev.QP], wr_id: Callable[[int], int]) -> None:
         self.mem, self._qp, self._wr_id = mem, qp, wr_id
         self._backlog: Deque[bytes] = collections.deque()
+        self._posted: Deque[int] = collections.deque()  # buffers in flight, in posting order
+        self._unsignaled = 0
+        self._held: Optional[List[bytes]] = None
 
     def send(self, c: P.Ctrl) -> None:
         raw = P.encode_ctrl(c)
+        if self._held is not None:
+            self._held.append(raw)
+        else:
+            self._send_raw(raw)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Frames sent inside wait for `flush()` or the end (not posted if it ends in an error: the
+        connection is going down)."""
+        self._held = []
+        try:
+            yield
+        except BaseException:
+            self._held = None
+            raise
+        self.flush()
+        self._held = None
+
+    def flush(self) -> None:
+        """Post the frames held so far, in order (inside a QP.batch: with its WRs)."""
+        held, self._held = self._held, ([] if self._held is not None else None)
+        for raw in held or ():
+            self._send_raw(raw)
+
+    def _send_raw(self, raw: bytes) -> None:
         if not self.mem.ctrl_free or self._backlog:
             self._backlog.append(raw)
-            return
-        self._post(raw)
+        else:
+            self._post(raw)
 
     def _post(self, raw: bytes) -> None:
-        idx = self.mem.ctrl_free.pop()
-        self._qp().post_send(self.mem.put_ctrl(idx, raw), wr_id=self._wr_id(idx))
+        free = self.mem.ctrl_free
+        idx = free.pop()
+        self._posted.append(idx)
+        signal = self._unsignaled + 1 >= self.SIGNAL_EVERY or len(free) < self.SIGNAL_EVERY
+        self._unsignaled = 0 if signal else self._unsignaled + 1
+        self._qp().post_send(self.mem.put_ctrl(idx, raw), wr_id=self._wr_id(idx) if signal else 0, signaled=signal)
 
     def on_complete(self, idx: int) -> None:
-        """The SEND from buffer `idx` completed: reuse it, for the backlog first."""
-        self.mem.ctrl_free.append(idx)
+        """The SEND from buffer `idx` completed, and with it every SEND posted before it: reuse their
+        buffers, for the backlog first."""
+        while self._posted:
+            done = self._posted.popleft()
+            self.mem.ctrl_free.append(done)
+            if done == idx:
+                break
         while self._backlog and self.mem.ctrl_free:
             self._post(self._backlog.popleft())
 

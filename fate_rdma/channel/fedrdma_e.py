@@ -118,6 +118,7 @@ class SlotSender:
         with contextlib.ExitStack() as batches:  # one list per QP: a small message's chunks and header in one write
             for rc in self.conn.rcs:
                 batches.enter_context(rc.qp.batch())
+            self.conn.control.flush()  # the turn's control frames (a slot's CREDIT) go first, in the same write
             for c in chunks:
                 self._post(o, c)
 

@@ -201,9 +201,7 @@ class Responder:
                     return
             finally:
                 mr.end_remote()
-            if (recv is None and self._resp_line is None and due <= time.monotonic()
-                    and self._unacked_bytes + length < ACK_EVERY_BYTES and rd.more_pending()):
-                self._unacked_bytes += length
+            if recv is None and self._may_coalesce(rd, due, length):
                 return  # the next request is already arriving: its answer acknowledges this one too
             self._unacked_bytes = 0
             wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
@@ -229,7 +227,23 @@ class Responder:
         if not self._place(rd, pulled, targets, due, psn):
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
+        if self._may_coalesce(rd, due, length):  # (a control frame, say, posted in one batch with a WRITE)
+            self.recv_cq.push(wc)  # type: ignore[attr-defined]
+            return
+        self._unacked_bytes = 0
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
+
+    def _may_coalesce(self, rd: wire.Reader, due: float, length: int) -> bool:
+        """May the answer to a request just placed in full wait for the next one's (one cumulative ACK, as on
+        an RC link)? Yes if that request is already arriving, no delay line holds answers back, and fewer
+        than ACK_EVERY_BYTES have gone unanswered. A WRITE_WITH_IMM is always answered at once: its
+        completion is the requester's news that a message is placed, which must not wait for the next
+        message's first chunk."""
+        if (self._resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
+                and rd.more_pending()):
+            self._unacked_bytes += length
+            return True
+        return False
 
     def _drain(self, rd: wire.Reader, length: int, pulled: Optional[Pulled] = None) -> None:
         if pulled is not None:
