@@ -6,6 +6,7 @@ import dataclasses
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -311,6 +312,37 @@ def test_sends_followed_by_more_requests_share_one_ack(monkeypatch):
         b.qp.post_recv(b.mr.sge(8192, 4096), wr_id=5)
         a.qp.post_send(a.mr.sge(0, 10), wr_id=4)  # alone (nothing after it): answered at once
         assert b.cq.wait_n(1, 10)[0].ok and a.cq.wait_n(1, 10)[0].wr_id == 4 and answers == [wire.ACK, wire.ACK]
+    finally:
+        close_pair([a, b])
+
+
+def test_an_unsignaled_request_is_answered_by_the_next_answer_or_after_the_ack_delay(monkeypatch):
+    """A WR posted unsignaled leaves without OP_ACK_REQ: its receive completes at once, and the responder
+    answers it with the next answer (cumulative) or, if no request follows within ACK_DELAY_S, alone; so
+    the requester's send queue is freed either way, and a QP closes without waiting long for it. A NAK that
+    follows a deferred request fails only its own WR."""
+    answers = _spy_answers(monkeypatch)
+    a, b = make_pair("soft-tcp", size=1 << 20, cap=ev.QPCap(max_send_wr=64, max_recv_wr=16))
+    try:
+        for k in range(3):
+            b.qp.post_recv(b.mr.sge(k * 4096, 4096), wr_id=k)
+        a.qp.post_send(a.mr.sge(0, 64), wr_id=1, signaled=False)  # alone: answered after the delay
+        assert b.cq.wait_n(1, 10)[0].ok
+        deadline = time.monotonic() + 10
+        while a.qp._outstanding and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert a.qp._outstanding == 0 and answers == [wire.ACK]
+        with a.qp.batch():  # then a signaled WR: one answer for both
+            a.qp.post_send(a.mr.sge(0, 64), wr_id=2, signaled=False)
+            a.qp.post_write(a.mr.sge(0, 64), b.mr.remote(), remote_offset=1 << 19, wr_id=3)
+        assert b.cq.wait_n(1, 10)[0].ok and [wc.wr_id for wc in a.cq.wait_n(1, 10)] == [3]
+        assert answers == [wire.ACK, wire.ACK] and a.qp._outstanding == 0
+        with a.qp.batch():  # a SEND, then one with no receive posted: RNR for the second only
+            a.qp.post_send(a.mr.sge(0, 64), wr_id=4)
+            a.qp.post_send(a.mr.sge(0, 64), wr_id=5)
+        assert b.cq.wait_n(1, 10)[0].ok
+        wcs = a.cq.wait_n(2, 10)
+        assert [(wc.wr_id, wc.status) for wc in wcs] == [(4, ev.WCStatus.SUCCESS), (5, ev.WCStatus.RNR_RETRY_EXC_ERR)]
     finally:
         close_pair([a, b])
 

@@ -53,11 +53,9 @@ class ControlSender:
         self._held = []
         try:
             yield
-        except BaseException:
+            self.flush()
+        finally:
             self._held = None
-            raise
-        self.flush()
-        self._held = None
 
     def flush(self) -> None:
         """Post the frames held so far, in order (inside a QP.batch: with its WRs)."""
