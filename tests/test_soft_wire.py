@@ -6,12 +6,11 @@ import dataclasses
 import socket
 import struct
 import threading
-import time
 
 import pytest
 
 import easypyverbs as ev
-from easypyverbs.providers.soft import qp as qpmod, wire
+from easypyverbs.providers.soft import qp as qpmod, responder as respmod, wire
 
 from .verbs_pair import close_pair, make_pair
 
@@ -316,33 +315,31 @@ def test_sends_followed_by_more_requests_share_one_ack(monkeypatch):
         close_pair([a, b])
 
 
-def test_an_unsignaled_request_is_answered_by_the_next_answer_or_after_the_ack_delay(monkeypatch):
-    """A WR posted unsignaled leaves without OP_ACK_REQ: its receive completes at once, and the responder
-    answers it with the next answer (cumulative) or, if no request follows within ACK_DELAY_S, alone; so
-    the requester's send queue is freed either way, and a QP closes without waiting long for it. A NAK that
-    follows a deferred request fails only its own WR."""
+def test_a_stream_of_sends_is_answered_often_and_a_nak_after_a_deferred_send_fails_only_its_wr(monkeypatch):
+    """Back-to-back small SENDs are answered at least once per ACK_EVERY_REQUESTS (their signaled
+    completions come in step, not all at the end); a SEND deferred to the next request's answer, when that
+    request is refused (no receive posted: RNR), completes successfully and only the next one fails."""
     answers = _spy_answers(monkeypatch)
-    a, b = make_pair("soft-tcp", size=1 << 20, cap=ev.QPCap(max_send_wr=64, max_recv_wr=16))
+    n = 40
+    a, b = make_pair("soft-tcp", size=1 << 20, cap=ev.QPCap(max_send_wr=64, max_recv_wr=64))
     try:
-        for k in range(3):
-            b.qp.post_recv(b.mr.sge(k * 4096, 4096), wr_id=k)
-        a.qp.post_send(a.mr.sge(0, 64), wr_id=1, signaled=False)  # alone: answered after the delay
-        assert b.cq.wait_n(1, 10)[0].ok
-        deadline = time.monotonic() + 10
-        while a.qp._outstanding and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert a.qp._outstanding == 0 and answers == [wire.ACK]
-        with a.qp.batch():  # then a signaled WR: one answer for both
-            a.qp.post_send(a.mr.sge(0, 64), wr_id=2, signaled=False)
-            a.qp.post_write(a.mr.sge(0, 64), b.mr.remote(), remote_offset=1 << 19, wr_id=3)
-        assert b.cq.wait_n(1, 10)[0].ok and [wc.wr_id for wc in a.cq.wait_n(1, 10)] == [3]
-        assert answers == [wire.ACK, wire.ACK] and a.qp._outstanding == 0
-        with a.qp.batch():  # a SEND, then one with no receive posted: RNR for the second only
-            a.qp.post_send(a.mr.sge(0, 64), wr_id=4)
-            a.qp.post_send(a.mr.sge(0, 64), wr_id=5)
+        for k in range(n + 1):
+            b.qp.post_recv(b.mr.sge(k * 64, 64), wr_id=k)
+        with a.qp.batch():  # more than the doorbell takes: the send thread writes them in one go
+            for k in range(n):
+                a.qp.post_send(a.mr.sge(k * 64, 64), wr_id=k)
+        assert all(wc.ok for wc in b.cq.wait_n(n, 10))
+        assert [wc.wr_id for wc in a.cq.wait_n(n, 10)] == list(range(n))
+        assert n >= 2 * respmod.ACK_EVERY_REQUESTS  # (a stream longer than two bounds)
+        assert len(answers) >= n // respmod.ACK_EVERY_REQUESTS and set(answers) == {wire.ACK}
+        answers.clear()
+        with a.qp.batch():  # the last receive, then none: RNR for the second SEND only
+            a.qp.post_send(a.mr.sge(0, 64), wr_id=100)
+            a.qp.post_send(a.mr.sge(0, 64), wr_id=101)
         assert b.cq.wait_n(1, 10)[0].ok
         wcs = a.cq.wait_n(2, 10)
-        assert [(wc.wr_id, wc.status) for wc in wcs] == [(4, ev.WCStatus.SUCCESS), (5, ev.WCStatus.RNR_RETRY_EXC_ERR)]
+        assert [(wc.wr_id, wc.status) for wc in wcs] == [(100, ev.WCStatus.SUCCESS), (101, ev.WCStatus.RNR_RETRY_EXC_ERR)]
+        assert answers == [wire.NAK]  # one answer for both
     finally:
         close_pair([a, b])
 

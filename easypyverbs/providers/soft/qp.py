@@ -70,8 +70,6 @@ class SoftQP(Requester, Responder, QP):
         self._closing = False
         self._scratch: Optional[memoryview] = None
         self._unacked_bytes = self._unacked_reqs = 0  # responder: bytes and requests placed since the last answer
-        self._owed: Optional[int] = None  # responder: the PSN of the last request placed and not yet answered
-        self._ack_req = True  # responder: the request being served asks for its answer (OP_ACK_REQ)
         self._pull = False  # requester: the responder reads our payloads itself (same-host path)
         self._pull_pid = 0  # responder: the requester's pid when we read its payloads (same-host path)
         self._regions: Optional[shm.PeerRegions] = None  # responder: the requester's shared regions mapped here

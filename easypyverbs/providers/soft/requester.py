@@ -160,8 +160,7 @@ class Requester:
                 views = [] if wr.op == "read" else [s.view() for s in wr.sges]
             except UsageError as exc:  # MR deregistered after posting
                 return bufs, f"wr {wr.wr_id}: {exc}", free_at
-            opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0) \
-                | (wire.OP_ACK_REQ if wr.signaled or wr.op == "read" else 0)
+            opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0)
             if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
                 opcode |= wire.OP_PULL
                 spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]

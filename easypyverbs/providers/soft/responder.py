@@ -26,12 +26,7 @@ from .link import DelayLine
 #: or a window of W chunks fills the link only once per W chunks (measured: fedrdma-e needed 2.5x the
 #: window of fedrdma on a 100 Mbit/s x 20 ms testbed link before this bound)
 ACK_EVERY_BYTES = 1 << 20
-#: a request the requester does not wait for (no OP_ACK_REQ: an unsignaled WR) is answered with the next
-#: answer, or when no further request has come within this long: so an unsignaled control SEND followed,
-#: within a message's time, by more requests costs neither side a thread's wake-up for its ACK, and
-#: nothing stays unanswered for long (a QP's close waits for every WR's answer)
-ACK_DELAY_S = 0.004
-#: and at least one answer per this many requests the requester waits for (signaled completions in step)
+#: and at least once per this many requests (a stream of small SENDs: signaled completions in step)
 ACK_EVERY_REQUESTS = 16
 PSN_MASK = 0xFFFFFF
 log = logging.getLogger("easypyverbs.soft")
@@ -83,15 +78,12 @@ class Responder:
         expected = psn
         while True:
             try:
-                if self._owed is not None:
-                    self._settle(rd)
                 if self._regions is not None:
                     self._await_request(rd, self._regions)
                 rd.read_into(hdr)
                 magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
                 due = time.monotonic() + due_us / 1e6 + fwd_delay_s
-                op, has_imm, pull = opcode & wire.OP_MASK, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
-                self._ack_req = bool(opcode & wire.OP_ACK_REQ)
+                op, has_imm, pull = opcode & 0x3F, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
                 if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected \
                         or (pull and (not self._pull_pid or op == wire.OP_READ)):
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
@@ -211,13 +203,9 @@ class Responder:
                     return
             finally:
                 mr.end_remote()
+            if recv is None and self._may_coalesce(rd, due, length):
+                return  # the next request is already arriving: its answer acknowledges this one too
             wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
-            # (a WRITE_WITH_IMM the requester waits for is answered at once: its completion is the news
-            # that a message is placed, which must not wait for the next message's first chunk)
-            if (recv is None or not self._ack_req) and self._may_defer(rd, due, psn, length):
-                if wc is not None:
-                    self.recv_cq.push(wc)  # type: ignore[attr-defined]
-                return
             self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
             return
         recv = self._take_recv()  # SEND
@@ -240,38 +228,23 @@ class Responder:
         if not self._place(rd, pulled, targets, due, psn):
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
-        if self._may_defer(rd, due, psn, length):  # (a control frame, say, posted in one batch with a WRITE)
+        if self._may_coalesce(rd, due, length):  # (a control frame, say, posted in one batch with a WRITE)
             self.recv_cq.push(wc)  # type: ignore[attr-defined]
             return
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
-    def _may_defer(self, rd: wire.Reader, due: float, psn: int, length: int) -> bool:
-        """May the answer to request `psn`, just placed in full, wait (one cumulative ACK later, as on an RC
-        link)? Not under a link model's delay line (answers keep their due times). Yes if the requester does
-        not wait for it (no OP_ACK_REQ; not over TLS, whose buffered bytes a poll cannot see): `_settle`
-        answers it unless another request comes within ACK_DELAY_S. Yes if the next request is already
-        arriving and fewer than ACK_EVERY_BYTES have gone unanswered: that request's answer covers it."""
-        if self._resp_line is not None or due > time.monotonic():
-            return False
-        if (self._ack_req or not isinstance(rd.sock, socket.socket)) and not (
-                self._unacked_bytes + length < ACK_EVERY_BYTES and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS
-                and rd.more_pending()):
-            return False
-        self._unacked_bytes += length
-        self._unacked_reqs += 1
-        self._owed = psn
-        return True
-
-    def _settle(self, rd: wire.Reader) -> None:
-        """Before waiting for the next request: answer the owed one (cumulative) unless bytes of another
-        are here, or come within ACK_DELAY_S (its answer, or its own wait, then covers the owed one)."""
-        if rd.buffered() or not isinstance(rd.sock, socket.socket):
-            return  # (over TLS only a request already arriving leaves an answer owed)
-        poller = select.poll()
-        poller.register(rd.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-        if poller.poll(ACK_DELAY_S * 1000):
-            return
-        self._answer(rd.sock, time.monotonic(), wire.ACK, self._owed, WCStatus.SUCCESS)  # type: ignore[arg-type]
+    def _may_coalesce(self, rd: wire.Reader, due: float, length: int) -> bool:
+        """May the answer to a request just placed in full wait for the next one's (one cumulative ACK, as on
+        an RC link)? Yes if that request is already arriving, no delay line holds answers back, and fewer
+        than ACK_EVERY_BYTES and ACK_EVERY_REQUESTS have gone unanswered. A WRITE_WITH_IMM is always
+        answered at once: its completion is the requester's news that a message is placed, which must not
+        wait for the next message's first chunk."""
+        if (self._resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
+                and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS and rd.more_pending()):
+            self._unacked_bytes += length
+            self._unacked_reqs += 1
+            return True
+        return False
 
     def _drain(self, rd: wire.Reader, length: int, pulled: Optional[Pulled] = None) -> None:
         if pulled is not None:
@@ -283,8 +256,7 @@ class Responder:
     def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
                 wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False,
                 why: str = "") -> None:
-        # every answer acknowledges the requests before it too
-        self._owed, self._unacked_bytes, self._unacked_reqs = None, 0, 0
+        self._unacked_bytes = self._unacked_reqs = 0  # every answer acknowledges the requests before it too
         def deliver() -> None:
             if then_error:
                 self._err_seen = True

@@ -25,10 +25,7 @@ spans lie in one shared region of the requester (shm.py), the count's high bit i
 REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
     magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
     imm u32, due_us u64 (link model: microseconds after this header that the message is complete)
-    flags ride in the high bits of opcode: 0x80 = imm present, 0x40 = same-host spans (above), 0x20 =
-    answer requested (a signaled WR or a READ: InfiniBand's AckReq). Answers are cumulative: one for
-    psn N completes every earlier request in flight. A request without 0x20 is answered by the next
-    answer, or after ACK_DELAY_S (responder.py) if no further request comes.
+    flags ride in the high bit of opcode: 0x80 = imm present.
 RESP (responder -> requester), `!HBBIIQ`, 20 bytes, then `length` bytes for a READ response:
     magic u16 0x5341 ("SA"), version u8, kind u8 (ACK/NAK/READ_RESP), psn u32, status u32 (WCStatus
     the requester completes with), length u64
@@ -41,7 +38,7 @@ from typing import Any, List, Sequence
 
 from ...tls import TLSStream
 
-VERSION = 2  # 2: OP_ACK_REQ
+VERSION = 1
 HELLO = struct.Struct("!4sBBHIIIQ16sIQ16s")
 HELLO_REPLY = struct.Struct("!4sBBHH")
 PULL_COUNT = struct.Struct("!I")
@@ -59,10 +56,6 @@ RESP_MAGIC = 0x5341
 OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
 OP_HAS_IMM = 0x80
 OP_PULL = 0x40  # same-host path: the payload is read from the requester's memory
-#: the requester waits for this request's answer (a signaled WR, a READ); the others (InfiniBand's AckReq
-#: bit clear) are answered by a later answer, cumulative, or after the responder's ACK delay
-OP_ACK_REQ = 0x20
-OP_MASK = 0x1F
 ACK, NAK, READ_RESP = 1, 2, 3
 HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN, HELLO_TLS_REQUIRED = 0, 1, 2, 3, 4
 TOKEN_BYTES = 16
