@@ -59,9 +59,10 @@ class ControlSender:
 
     def flush(self) -> None:
         """Post the frames held so far, in order (inside a QP.batch: with its WRs)."""
-        held, self._held = self._held, ([] if self._held is not None else None)
-        for raw in held or ():
-            self._send_raw(raw)
+        if self._held:
+            held, self._held = self._held, []
+            for raw in held:
+                self._send_raw(raw)
 
     def _send_raw(self, raw: bytes) -> None:
         if not self.mem.ctrl_free or self._backlog:
