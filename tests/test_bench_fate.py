@@ -63,6 +63,22 @@ def test_channel_alone_rounds_run_from_the_named_instant_not_before_it():
     assert got["start_late_seconds"] == 0.0  # a multiprocessing barrier passes well within the lead here
 
 
+def test_channel_alone_fails_at_once_when_a_party_exits_without_a_result():
+    """A party process that dies without reporting (killed, or crashed before its own error handler) fails
+    the measurement within seconds, naming the party, instead of the parent waiting out the whole
+    deadline (hours: the job timeout times the rounds) on a queue nobody will write to."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=os._exit, args=(3,), name="channel-alone-guest", daemon=True)]
+    procs[0].start()
+    t0 = time.monotonic()
+    errors = channel_alone._collect(procs, results, {}, [], time.monotonic() + 600)
+    procs[0].join()
+    assert errors == ["channel-alone-guest exited with code 3 without a result"]
+    assert time.monotonic() - t0 < 30
+
+
 @pytest.mark.timeout(300)
 def test_fate_job_rounds_start_at_the_arbiters_instant(tmp_path):
     """The FATE job (FATE's launcher, fate-rdma on): both clients start each round at the instant the arbiter

@@ -69,6 +69,32 @@ def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, do
         results.put((role, [], 0.0, f"{type(exc).__name__}: {exc}"))
 
 
+def _collect(procs: List[Any], results: Any, got: Dict[str, List[float]], lates: List[float],
+             deadline: float) -> List[str]:
+    """Each party's round times into `got` (and how late it started into `lates`) until all have reported,
+    one reports an error, one has exited without reporting (killed, or it crashed before it could), or
+    `deadline` passes; the errors, naming the party."""
+    while len(got) < len(procs):
+        try:
+            role, times, late, err = results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            # a party that put its result before exiting has it in the pipe by then (the queue's feeder
+            # flushes at exit), so one gone without a result after a quiet second will not report
+            gone = [f"{p.name} exited with code {p.exitcode} without a result" for p in procs
+                    if p.exitcode is not None and p.name.rpartition("-")[2] not in got]
+            if gone:
+                return gone
+            if time.monotonic() >= deadline:
+                return [f"no result from {', '.join(p.name for p in procs if p.name.rpartition('-')[2] not in got)} "
+                        f"in time"]
+            continue
+        got[role] = times
+        lates.append(late)
+        if err:
+            return [f"{role}: {err}"]
+    return []
+
+
 def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int = 3,
             timeout: float = 600.0) -> Dict[str, Any]:
     """Run the three parties; returns {"round_seconds": median, "round_seconds_all": [...],
@@ -92,15 +118,7 @@ def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int 
         lates = [0.0]
         errors = []
         try:
-            for _ in ROLES:
-                role, times, late, err = results.get(timeout=timeout * (rounds + 1))
-                got[role] = times
-                lates.append(late)
-                if err:
-                    errors.append(f"{role}: {err}")
-                    break
-        except queue.Empty:
-            errors.append(f"no result within {timeout * (rounds + 1):.0f} s")
+            errors += _collect(procs, results, got, lates, time.monotonic() + timeout * (rounds + 1))
         finally:
             for p in procs:
                 p.join(5 if not errors else 0.5)
