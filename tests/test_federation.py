@@ -366,6 +366,44 @@ def test_a_buffered_put_queues_its_sends_before_its_copy_and_a_failure_before_th
     assert res.get("error") is None and res["w2"] == sha(big), res
 
 
+def test_a_put_of_the_same_arrays_again_shares_the_held_copy_and_a_changed_one_does_not(guest, monkeypatch):
+    """FATE's aggregators put one average to each client in turn: the second put of the same, unchanged arrays
+    while the first's copy is still held sends from that copy (no second copy, no second room); arrays changed
+    after that get a copy of their own; every object arrives as it was put, and all room is given back."""
+    import concurrent.futures
+
+    from fate_rdma.federation import frames
+
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s8d", names="w,w2,w3")
+    w, gated = fed.fate_rdma, []
+    real_send = w.endpoint.send
+
+    def send(addr, bufs, md, fill=None):  # the puts' transfers look unfinished until the test says so
+        fut, proxy = real_send(addr, bufs, md, fill), concurrent.futures.Future()
+        proxy.transfer_id = fut.transfer_id
+        gated.append((fut, proxy))
+        return proxy
+
+    monkeypatch.setattr(w.endpoint, "send", send)
+    big = [np.random.default_rng(9).standard_normal(1_000_000), np.arange(10)]
+    first = sha(big)
+    ctx.hosts[0].put("w", big)
+    ctx.hosts[0].put("w2", big)
+    big[0][123] += 1.0
+    ctx.hosts[0].put("w3", big)
+    nbytes = len(frames.encode(big, w.threshold))
+    try:
+        assert (w.stats["buffered_puts"], w.stats["shared_puts"]) == (2, 1)
+        assert w._inflight_bytes == 2 * nbytes and w._shared.held() == 2
+    finally:  # (else the wrapper's close would wait for them)
+        for fut, proxy in gated:
+            proxy.set_result(fut.result(30))
+    assert w.flush(10) and w._inflight_bytes == 0 and w._shared.held() == 0
+    res = host_result(host)
+    assert res.get("error") is None and res["w"] == res["w2"] == first and res["w3"] == sha(big) != first, res
+
+
 def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
     """Both parties on this host (the soft provider's same-host path on): a buffered put copies into shared
     memory, which the peer's NIC maps instead of reading with process_vm_readv."""

@@ -32,6 +32,7 @@ from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable
 from ..protocol.integrity import BLOCK_BYTES
 from . import frames
 from .config import RdmaFederationConfig, party_key
+from .shared_puts import SharedCopies
 from .store import Store
 
 log = logging.getLogger("fate_rdma.federation")
@@ -77,12 +78,13 @@ class RdmaFederation:
                       # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
                       "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
-                      "buffered_puts": 0, "put_copy_seconds": 0.0, "lent_bytes": 0}
+                      "buffered_puts": 0, "shared_puts": 0, "put_copy_seconds": 0.0, "lent_bytes": 0}
         # recycled as reassembly buffers are; in shared memory where a same-host peer's NIC can map them
         self._put_copies = RecvBuffers(cfg.put_buffer_bytes, shared=self.endpoint.same_host_capable)
         self._inflight: set = set()
         self._inflight_bytes = 0
         self._inflight_lock = threading.Condition()  # notified when a buffered put's sends are all over
+        self._shared = SharedCopies(self._give_room)  # copies a put of the same arrays again may share
         self._deferred: Optional[BaseException] = None
         self._stop = False
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
@@ -253,16 +255,22 @@ class RdmaFederation:
                 sends.append((tuple(p), key, fut))
             if held is not None:
                 live = [f for _, _, f in sends if not isinstance(f, BaseException)]
-                copy = held[0]
+                copy, fresh_copy = held[0], fill is not None and not fill.done  # (else shared, or bytes)
+                if fresh_copy and live:
+                    self._shared.hold(bufs, copy, fill)  # before any of its transfers can finish
                 self._track(held, live, len(v), name, fill)
                 tracked = True
-                if fill is not None and live:  # the copy, while its first chunks go (each once its bytes are final)
+                if fresh_copy and live:  # the copy, while its first chunks go (each once its bytes are final)
                     t1 = time.perf_counter()
                     fill.run(copy, bufs, BLOCK_BYTES)
                     self.stats["put_copy_seconds"] += time.perf_counter() - t1
+                    self._shared.ready(copy)
         except BaseException as exc:
-            if fill is not None:
-                fill.fail(exc)  # (nothing once the copy is done)
+            if fill is not None and fill.done and fill.error is None:  # a finished (shared) copy: cancel its sends
+                for f in [f for _, _, f in sends if not isinstance(f, BaseException)]:
+                    f.cancel()
+            elif fill is not None:
+                fill.fail(exc)  # (its transfers fail with it)
             if held is not None and not tracked:
                 self._track(held, [f for _, _, f in sends if not isinstance(f, BaseException)], len(v), name, fill)
             raise
@@ -275,6 +283,12 @@ class RdmaFederation:
         pickling allows), with the Fill that copies them in (run by the put once its sends are under way).
         None: no room under put_buffer_bytes, this put waits for its bytes to arrive."""
         limit = self.cfg.put_buffer_bytes
+        t0 = time.perf_counter()
+        got = self._shared.share(bufs) if framed and limit else None  # the same arrays, unchanged, still held
+        self.stats["put_copy_seconds"] += time.perf_counter() - t0
+        if got is not None:
+            self.stats["shared_puts"] += 1
+            return [got[0]], got[1]
         with self._inflight_lock:
             if not limit or self._inflight_bytes + nbytes > limit:
                 return None, None
@@ -294,7 +308,7 @@ class RdmaFederation:
         """Keep `held` until every send of one buffered put is over; then its room is free again. A send
         that failed is logged at once and raised by this party's next put or get (and reported at close),
         unless it failed because the put's own copy did (the put raised that)."""
-        left = [len(futs)]
+        left = [len(futs)]  # (the copy itself is not captured here: a failed future keeps its callbacks)
 
         def done(fut: Any) -> None:
             exc = fut.exception() if not fut.cancelled() else FateRdmaError("cancelled")
@@ -308,17 +322,24 @@ class RdmaFederation:
                 self._inflight.discard(fut)
                 left[0] -= 1
                 if left[0] <= 0:
-                    self._inflight_bytes -= nbytes
+                    if self._shared.release(held[0] if held else None):  # (else by the copy's last user)
+                        self._inflight_bytes -= nbytes
                     held.clear()  # the copy goes back to the recycled buffers once nothing else holds it
                 self._inflight_lock.notify_all()
 
         with self._inflight_lock:
             self._inflight.update(futs)
             if not futs:
-                self._inflight_bytes -= nbytes
+                if self._shared.release(held[0] if held else None):
+                    self._inflight_bytes -= nbytes
                 held.clear()
         for f in futs:
             f.add_done_callback(done)
+
+    def _give_room(self, nbytes: int) -> None:
+        with self._inflight_lock:  # (re-entrant: also called from under it, by _track)
+            self._inflight_bytes -= nbytes
+            self._inflight_lock.notify_all()
 
     def _raise_deferred(self) -> None:
         if self._deferred is not None:
