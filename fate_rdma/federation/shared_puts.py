@@ -24,7 +24,7 @@ from easypyverbs.buffers import address_of, as_byte_view
 
 from ..channel.checksum import xxh3_leaves
 from ..channel.transfer import Fill
-from ..protocol.integrity import BLOCK_BYTES
+from ..protocol.integrity import BLOCK_BYTES, blocks, xxh_leaf
 
 
 def signature(bufs: Sequence[Any]) -> List[Any]:
@@ -86,9 +86,12 @@ class SharedCopies:
         if not found:
             return None
         match: Optional[_Copy] = None
-        try:
-            leaves = xxh3_leaves([as_byte_view(b) for b in bufs])  # outside the lock: the one pass over the bytes
-            match = next((c for c in reversed(found) if c.leaves == leaves), None)
+        try:  # outside the lock: the one pass over the bytes, after the first block's (arrays changed in place
+            views = [as_byte_view(b) for b in bufs]  # since differ there: no need to read the rest)
+            first = xxh_leaf(0, blocks(views)[0])
+            if any(c.leaves[:len(first)] == first for c in found):
+                leaves = xxh3_leaves(views)
+                match = next((c for c in reversed(found) if c.leaves == leaves), None)
         finally:
             for c in found:
                 if c is not match:
