@@ -80,13 +80,12 @@ def _collect(procs: List[Any], results: Any, got: Dict[str, List[float]], lates:
         except queue.Empty:
             # a party that put its result before exiting has it in the pipe by then (the queue's feeder
             # flushes at exit), so one gone without a result after a quiet second will not report
-            gone = [f"{p.name} exited with code {p.exitcode} without a result" for p in procs
-                    if p.exitcode is not None and p.name.rpartition("-")[2] not in got]
+            silent = [p for p in procs if p.name.rpartition("-")[2] not in got]
+            gone = [f"{p.name} exited with code {p.exitcode} without a result" for p in silent if p.exitcode is not None]
             if gone:
                 return gone
             if time.monotonic() >= deadline:
-                return [f"no result from {', '.join(p.name for p in procs if p.name.rpartition('-')[2] not in got)} "
-                        f"in time"]
+                return [f"no result from {', '.join(p.name for p in silent)} in time"]
             continue
         got[role] = times
         lates.append(late)

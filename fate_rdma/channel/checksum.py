@@ -137,11 +137,6 @@ def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[i
     return _from_blocks(integrity.kind, got)
 
 
-def xxh3_leaves(views: Sequence[memoryview]) -> bytes:
-    """Every block's XXH3 leaf of the payload `views` (the leaves a Fill's copy takes), in parallel."""
-    return xxh_leaves(views, _map)
-
-
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
     """The keyed BLAKE2b leaf digests of the payload's blocks (integrity.leaves), in parallel."""
     return leaves(key, views, _map)

@@ -30,7 +30,7 @@ from ..channel.checksum import block_digest
 from ..channel.transfer import Fill
 from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable, TransferTimeout
 from ..protocol.integrity import BLOCK_BYTES
-from . import frames
+from . import fate_path, frames
 from .config import RdmaFederationConfig, party_key
 from .shared_puts import SharedCopies
 from .store import Store
@@ -219,7 +219,9 @@ class RdmaFederation:
                     self._warned_fallback.add(p)
                     log.warning("fate-rdma: party %s unreachable (%s); sending through FATE's own federation", party_key(p), err)
                 self.stats["fate_fallbacks"] += 1
-                self._fate_push(self._fate_bytes(v.value, name, tag, [p]) if framed else v, name, tag, [p])
+                raw = fate_path.serialize(self.fed, v.value, name, tag, [p]) if framed else v
+                fate_path.push(self.fed, self.computing, self._orig_push, self._orig_max, self._fallback_tables,
+                               raw, name, tag, [p])
             else:
                 raise PeerUnreachable(f"fate-rdma: cannot send {name!r} to party {party_key(p)} at "
                                       f"{self.cfg.endpoints.get(party_key(p), '?')}: {err}") from err
@@ -352,38 +354,6 @@ class RdmaFederation:
         timeout = self.cfg.channel.transfer_timeout_s if timeout_s is None else timeout_s
         with self._inflight_lock:
             return self._inflight_lock.wait_for(lambda: not self._inflight, timeout)
-
-    def _fate_bytes(self, value: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> bytes:
-        """What FATE's own serializer makes of `value` (a frame that must take FATE's path after all)."""
-        import io
-
-        from fate.arch.federation.api._serdes import TableRemotePersistentPickler, _FederationBytesCoder
-
-        with io.BytesIO() as f:
-            TableRemotePersistentPickler(self.fed, name, tag, parties, f).dump(value)
-            return _FederationBytesCoder.encode_base(f.getvalue())
-
-    def _fate_push(self, v: bytes, name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
-        """FATE's own path, sliced exactly as FATE slices pickles above its max message size."""
-        # FATE's standalone store takes an object of any size in one piece; its slice-table path raced
-        # with the peer loading the table ("table not exist"), so standalone gets the pickle whole
-        standalone = type(self.fed).__name__ == "StandaloneFederation"
-        if v[:1] != b"\x00" or len(v) - 1 <= self._orig_max or standalone:
-            return self._orig_push(v=v, name=name, tag=tag, parties=parties)
-        from fate.arch.federation.api._serdes import _FederationBytesCoder, _SplitTableUtil
-        from fate.arch.federation.api._table_meta import TableMeta
-
-        body, size = memoryview(v)[1:], self._orig_max
-        n = (len(body) - 1) // size + 1
-        parts = self.fed.get_default_partition_num()
-        table = self.computing.parallelize([(i, bytes(body[i * size:(i + 1) * size])) for i in range(n)], partition=parts,
-                                           key_serdes_type=0, value_serdes_type=0, partitioner_type=0)
-        meta = TableMeta(num_partitions=parts, key_serdes_type=0, value_serdes_type=0, partitioner_type=0)
-        self.fed.push_table(table, _SplitTableUtil.get_split_table_key(name), tag=tag, parties=parties)
-        # keep the slice table until the job ends: dropping it at once (standalone destroys a table when
-        # it is collected) raced with the peer loading the pushed copy ("table not exist")
-        self._fallback_tables.append(table)
-        self._orig_push(v=_FederationBytesCoder.encode_split(meta, len(body), n, size), name=name, tag=tag, parties=parties)
 
     # -- pull -----------------------------------------------------------------------------------
     def _pull_bytes(self, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[bytes]:
