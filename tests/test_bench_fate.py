@@ -95,3 +95,5 @@ def test_fate_job_rounds_start_at_the_arbiters_instant(tmp_path):
     for role in ("guest", "host"):
         res = json.load(open(os.path.join(tmp_path, "fate-rdma-s1-r4", f"{role}.json")))
         assert len(res["go_late_seconds"]) == 3 and res["go_late_seconds"][1:] == [0.0, 0.0]
+        # the first round's put copy is faulted in fresh, the later rounds' land in a recycled buffer
+        assert res["put_copies"]["fresh_bytes"] > 0 and res["put_copies"]["reused_bytes"] > 0, res["put_copies"]

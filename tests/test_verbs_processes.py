@@ -96,6 +96,9 @@ def test_demo_small():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "verify:" in out.stdout and "OK" in out.stdout and "soft (emulated verbs over TCP)" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("fedrdma (", "fedrdma-e ("))]
+    assert len(rows) == 2 and all(line.rstrip().endswith("OK") for line in rows), out.stdout  # both sends, both modes
+    assert "first s  second s" in out.stdout and "demo: all results verified" in out.stdout
 
 
 def test_bench_verbs_on_a_real_device_is_labelled_and_respects_max_msg_sz():

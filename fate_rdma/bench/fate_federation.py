@@ -256,6 +256,8 @@ def _breakdown(res: Dict[str, Any], rounds: int) -> Optional[Dict[str, Dict[str,
         out[r]["lent_recv_bytes"] = res[r]["rdma"].get("lent_bytes", 0)
         out[r]["fresh_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("fresh_bytes", 0)
         out[r]["reused_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("reused_bytes", 0)
+        out[r]["fresh_put_copy_bytes"] = (res[r].get("put_copies") or {}).get("fresh_bytes", 0)
+        out[r]["reused_put_copy_bytes"] = (res[r].get("put_copies") or {}).get("reused_bytes", 0)
     return out
 
 
@@ -395,6 +397,9 @@ def run(args: argparse.Namespace) -> int:
             print("  received lent in place (FedRDMA-E slot, no copy) / into fresh memory / recycled buffers, whole "
                   "job: " + ", ".join(f"{role} {human_bytes(t['lent_recv_bytes'])} / {human_bytes(t['fresh_recv_bytes'])} / "
                                       f"{human_bytes(t['reused_recv_bytes'])}"
+                for role, t in r["breakdown"].items()))
+            print("  put copies into fresh memory / recycled buffers, whole job: " + ", ".join(
+                f"{role} {human_bytes(t['fresh_put_copy_bytes'])} / {human_bytes(t['reused_put_copy_bytes'])}"
                 for role, t in r["breakdown"].items()))
     late = [r for r in rows if r.get("start_late_seconds", 0) > 0]
     if late:

@@ -86,7 +86,9 @@ def _record(ctx, args: BenchArgs, role: str, comm, extra) -> None:
            "transport": "fate-rdma" if rdma else "fate", "label": rdma.endpoint.label if rdma else "FATE federation",
            "emulated": bool(rdma and rdma.endpoint.ctx.emulated), "rdma": dict(rdma.stats) if rdma else None,
            "recv_buffers": {"reused_bytes": rdma.endpoint.recv_buffers.reused_bytes,
-                            "fresh_bytes": rdma.endpoint.recv_buffers.fresh_bytes} if rdma else None, **extra}
+                            "fresh_bytes": rdma.endpoint.recv_buffers.fresh_bytes} if rdma else None,
+           "put_copies": {"reused_bytes": rdma._put_copies.reused_bytes,
+                          "fresh_bytes": rdma._put_copies.fresh_bytes} if rdma else None, **extra}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{role}.json"), "w") as f:
         json.dump(rec, f)

@@ -81,32 +81,40 @@ def _channel(args: argparse.Namespace, weights: np.ndarray, expect: int) -> bool
     with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer, tempfile.TemporaryDirectory() as private:
         secret = os.path.join(private, "secret")
         write_secret(secret)  # the two endpoints authenticate each other, as parties do
-        g = _grpc(peer, weights.tobytes(), 1)
-        rows.append({"method": "grpc_stream (4 MiB chunks)", "provider": "grpc over TCP", "seconds": g["grpc_stream"][0], "verified": "-"})
+        g = _grpc(peer, weights.tobytes(), 2)
+        rows.append({"method": "grpc_stream (4 MiB chunks)", "provider": "grpc over TCP", "times": g["grpc_stream"],
+                     "verified": "-"})
         for mode in ("fedrdma", "fedrdma-e"):
             cfg = ChannelConfig(mode=mode, slot_bytes=nbytes, provider=provider, soft_link=args.link, secret_file=secret)
             reply = peer.cmd({"cmd": "endpoint", "config": dict(cfg.__dict__), "record": True})
             with Endpoint(cfg) as ep:
                 count = peer.cmd({"cmd": "mark"})["count"]
                 ep.send(reply["address"], b"hello", {"warm-up": True}).result(60)
-                t0 = time.perf_counter()
-                fut = ep.send(reply["address"], weights, {"name": "gpt2.weights", "dtype": "float32", "params": args.params})
-                attach(fut, mode, args.progress)
-                info = fut.result(600)
-                rec = peer.cmd({"cmd": "expect", "count": count + 2})["records"][-1]
-                secs = time.perf_counter() - t0
-                ok = rec["crc32c"] == expect and rec["nbytes"] == nbytes
-                ok_all &= ok
+                times, verdicts = [], []
+                for i in range(2):  # the first into memory the receiver faults in as it lands, the second recycled
+                    t0 = time.perf_counter()
+                    fut = ep.send(reply["address"], weights, {"name": "gpt2.weights", "dtype": "float32",
+                                                              "params": args.params})
+                    attach(fut, mode, args.progress)
+                    info = fut.result(600)
+                    rec = peer.cmd({"cmd": "expect", "count": count + 2 + i})["records"][-1]
+                    times.append(time.perf_counter() - t0)
+                    verdicts.append(rec["crc32c"] == expect and rec["nbytes"] == nbytes)
+                ok_all &= all(verdicts)
                 path = getattr(ep.connect(reply["address"]).rcs[0].qp, "data_path", "")
                 label = ep.ctx.label + (f", {path}" if path else "") + (" [emulated]" if ep.ctx.emulated else "")
                 rows.append({"method": f"{mode} (window {info['window']}, {info['chunks']} chunks)", "provider": label,
-                             "seconds": secs, "verified": "OK" if ok else "MISMATCH"})
-    base = rows[0]["seconds"]
+                             "times": times, "verified": "OK" if all(verdicts) else "MISMATCH"})
+    base = rows[0]["times"]
     for r in rows:
-        r["Gbit/s"] = round(nbytes * 8 / r["seconds"] / 1e9, 2)
-        r["vs grpc"] = f"{base / r['seconds']:.1f}x"
-        r["seconds"] = round(r["seconds"], 3)
-    table(rows, ["method", "provider", "seconds", "Gbit/s", "vs grpc", "verified"])
+        first, second = r.pop("times")
+        r["first s"], r["second s"] = round(first, 3), round(second, 3)
+        r["Gbit/s"] = round(nbytes * 8 / second / 1e9, 2)
+        r["vs grpc"] = f"{base[0] / first:.1f}x / {base[1] / second:.1f}x"
+    table(rows, ["method", "provider", "first s", "second s", "Gbit/s", "vs grpc", "verified"])
+    print("    first: the receiver's memory for the payload is faulted in as it lands (gRPC's joined message, "
+          "fedrdma's reassembly buffer;\n    fedrdma-e's slot was registered before); second: the same payload again, "
+          "into recycled memory. Gbit/s: second. vs grpc: first / second")
     return ok_all
 
 
