@@ -44,7 +44,7 @@ import contextlib
 import os
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import crc32c
 import numpy as np
@@ -110,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "provider's data connections; certificates from a throwaway CA): the cost of TLS beside it")
 
 
-def _grpc(peer: PeerProcess, payload: bytes, reps: int) -> Dict[str, List[float]]:
+def _grpc(peer: PeerProcess, payload: bytes, reps: int,
+          methods: Tuple[str, ...] = ("grpc_stream", "grpc_unary")) -> Dict[str, List[float]]:
     import grpc
 
     from .transfer_peer import GRPC_OPTIONS
@@ -127,6 +128,8 @@ def _grpc(peer: PeerProcess, payload: bytes, reps: int) -> Dict[str, List[float]
         for _ in range(reps):
             for name, call in (("grpc_stream", lambda: stream((payload[i:i + GRPC_CHUNK] for i in range(0, len(payload), GRPC_CHUNK)))),
                                ("grpc_unary", lambda: unary(payload))):
+                if name not in methods:
+                    continue
                 mark = peer.cmd({"cmd": "mark"})
                 c0, t0 = cpu_s(), time.perf_counter()
                 call()
