@@ -414,8 +414,8 @@ def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
     w = fed.fate_rdma
     big = [np.random.default_rng(8).standard_normal(600_000)]
     ctx.hosts[0].put("w", big)
-    assert w.endpoint.same_host_capable and w._put_copies.shared and w.stats["buffered_puts"] == 1
-    assert any(shm.region_of([(int(b.ctypes.data), b.nbytes)]) is not None for b in w._put_copies._bufs)
+    assert w.endpoint.same_host_capable and w.put_copies.shared and w.stats["buffered_puts"] == 1
+    assert any(shm.region_of([(int(b.ctypes.data), b.nbytes)]) is not None for b in w.put_copies._bufs)
     assert host_result(host)["w"] == sha(big)
 
 

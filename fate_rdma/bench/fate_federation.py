@@ -254,10 +254,9 @@ def _breakdown(res: Dict[str, Any], rounds: int) -> Optional[Dict[str, Dict[str,
     for r in ROLES:  # whole job, not per round: what arrived lent in place (FedRDMA-E slots, no copy), and
         # how much of what was copied or reassembled landed in memory faulted in fresh
         out[r]["lent_recv_bytes"] = res[r]["rdma"].get("lent_bytes", 0)
-        out[r]["fresh_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("fresh_bytes", 0)
-        out[r]["reused_recv_bytes"] = (res[r].get("recv_buffers") or {}).get("reused_bytes", 0)
-        out[r]["fresh_put_copy_bytes"] = (res[r].get("put_copies") or {}).get("fresh_bytes", 0)
-        out[r]["reused_put_copy_bytes"] = (res[r].get("put_copies") or {}).get("reused_bytes", 0)
+        for record, what in (("recv_buffers", "recv"), ("put_copies", "put_copy")):  # (older records lack them)
+            for memory in ("fresh", "reused"):
+                out[r][f"{memory}_{what}_bytes"] = (res[r].get(record) or {}).get(f"{memory}_bytes", 0)
     return out
 
 

@@ -87,8 +87,8 @@ def _record(ctx, args: BenchArgs, role: str, comm, extra) -> None:
            "emulated": bool(rdma and rdma.endpoint.ctx.emulated), "rdma": dict(rdma.stats) if rdma else None,
            "recv_buffers": {"reused_bytes": rdma.endpoint.recv_buffers.reused_bytes,
                             "fresh_bytes": rdma.endpoint.recv_buffers.fresh_bytes} if rdma else None,
-           "put_copies": {"reused_bytes": rdma._put_copies.reused_bytes,
-                          "fresh_bytes": rdma._put_copies.fresh_bytes} if rdma else None, **extra}
+           "put_copies": {"reused_bytes": rdma.put_copies.reused_bytes,
+                          "fresh_bytes": rdma.put_copies.fresh_bytes} if rdma else None, **extra}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{role}.json"), "w") as f:
         json.dump(rec, f)

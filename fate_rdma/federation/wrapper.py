@@ -80,7 +80,7 @@ class RdmaFederation:
                       "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
                       "buffered_puts": 0, "shared_puts": 0, "put_copy_seconds": 0.0, "lent_bytes": 0}
         # recycled as reassembly buffers are; in shared memory where a same-host peer's NIC can map them
-        self._put_copies = RecvBuffers(cfg.put_buffer_bytes, shared=self.endpoint.same_host_capable)
+        self.put_copies = RecvBuffers(cfg.put_buffer_bytes, shared=self.endpoint.same_host_capable)
         self._inflight: set = set()
         self._inflight_bytes = 0
         self._inflight_lock = threading.Condition()  # notified when a buffered put's sends are all over
@@ -298,7 +298,7 @@ class RdmaFederation:
         if not framed and isinstance(bufs[0], bytes):
             return list(bufs), None
         try:
-            copy = self._put_copies.get(nbytes)
+            copy = self.put_copies.get(nbytes)
         except BaseException:
             with self._inflight_lock:
                 self._inflight_bytes -= nbytes
