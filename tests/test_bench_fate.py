@@ -87,13 +87,14 @@ def test_fate_job_rounds_start_at_the_arbiters_instant(tmp_path):
     pytest.importorskip("fate.arch")
     p = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "fate", "--lora-ranks", "4", "--rounds", "3",
                         "--methods", "fate-rdma", "--mode", "fedrdma-e", "--no-channel-alone", "--timeout", "240",
+                        "--buffer-puts", "true",
                         "--keep", str(tmp_path)], capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (row,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"bench": "fate", "payload"')]
-    assert row["verified"] is True and row["lora_rank"] == 4 and row["rounds"] == 3
+    assert row["verified"] is True and row["lora_rank"] == 4 and row["rounds"] == 3 and row["buffer_puts"] == "true"
     assert all(0 < s < START_LEAD_S for s in row["round_comm_seconds_all"])
     for role in ("guest", "host"):
         res = json.load(open(os.path.join(tmp_path, "fate-rdma-s1-r4", f"{role}.json")))
         assert len(res["go_late_seconds"]) == 3 and res["go_late_seconds"][1:] == [0.0, 0.0]
-        # the first round's put copy is faulted in fresh, the later rounds' land in a recycled buffer
+        # (--buffer-puts true) the first round's put copy is faulted in fresh, the later rounds' land in a recycled buffer
         assert res["put_copies"]["fresh_bytes"] > 0 and res["put_copies"]["reused_bytes"] > 0, res["put_copies"]

@@ -255,6 +255,22 @@ def test_config_errors():
     assert cfg.channel.mode == "fedrdma" and cfg.channel.window == 3
     with pytest.raises(E.ConfigError, match="no entry for party host:2"):
         cfg.address_of(("host", "2"))
+    for bad in ("yes", 1, None):
+        with pytest.raises(E.ConfigError, match="buffer_puts must be true, false or 'auto'"):
+            RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "buffer_puts": bad})
+
+
+def test_buffer_puts_auto_copies_a_put_whose_copy_costs_less_than_the_round_trip():
+    from fate_rdma.federation.config import PUT_COPY_BYTES_PER_S, RdmaFederationConfig
+
+    auto = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}})
+    assert auto.buffer_puts == "auto"
+    mib18, rtt = 18 << 20, 0.020  # LoRA rank 32's upload over a 20 ms link: copied; rank 128's (72 MiB) not
+    assert rtt * PUT_COPY_BYTES_PER_S > mib18 and auto.copies_put(mib18, rtt) and not auto.copies_put(72 << 20, rtt)
+    assert not auto.copies_put(1 << 20, 0.0002) and not auto.copies_put(1, 0.0)  # loopback; no RTT measured yet
+    for value, want in ((True, True), (False, False)):
+        cfg = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "buffer_puts": value})
+        assert cfg.copies_put(1 << 30, 0.0) is want and cfg.copies_put(1, 10.0) is want
 
 
 def _run_example(out, conf=None, params=600_000):
@@ -292,7 +308,7 @@ def test_buffered_put_sends_what_was_put_though_the_caller_changes_it_at_once(gu
     overlap); it sends a copy, so changing the arrays right after put, as FATE's own pickling allows,
     changes nothing on the wire."""
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s8")
+    ctx, fed, host = guest(section(eps, buffer_puts=True), section(eps), "s8")
     big = [np.random.default_rng(3).standard_normal(1_000_000), np.arange(10)]
     want = sha(big)
     ctx.hosts[0].put("w", big)
@@ -310,7 +326,7 @@ def test_a_buffered_put_whose_copy_fails_raises_once_and_sends_nothing(guest, mo
     from fate_rdma.channel.transfer import Fill
 
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s8b", names="w2")
+    ctx, fed, host = guest(section(eps, buffer_puts=True), section(eps), "s8b", names="w2")
     real_run = Fill.run
 
     def failing_run(self, dest, sources, block_bytes):
@@ -337,7 +353,7 @@ def test_a_buffered_put_queues_its_sends_before_its_copy_and_a_failure_before_th
     from fate_rdma.federation import frames
 
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s8c", names="w2")
+    ctx, fed, host = guest(section(eps, buffer_puts=True), section(eps), "s8c", names="w2")
     w, calls = fed.fate_rdma, []
     real_send, real_run = w.endpoint.send, Fill.run
 
@@ -375,7 +391,7 @@ def test_a_put_of_the_same_arrays_again_shares_the_held_copy_and_a_changed_one_d
     from fate_rdma.federation import frames
 
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s8d", names="w,w2,w3")
+    ctx, fed, host = guest(section(eps, buffer_puts=True), section(eps), "s8d", names="w,w2,w3")
     w, gated = fed.fate_rdma, []
     real_send = w.endpoint.send
 
@@ -410,13 +426,46 @@ def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
     from easypyverbs.providers.soft import shm
 
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s9s")
+    ctx, fed, host = guest(section(eps, buffer_puts=True), section(eps), "s9s")
     w = fed.fate_rdma
     big = [np.random.default_rng(8).standard_normal(600_000)]
     ctx.hosts[0].put("w", big)
     assert w.endpoint.same_host_capable and w.put_copies.shared and w.stats["buffered_puts"] == 1
     assert any(shm.region_of([(int(b.ctypes.data), b.nbytes)]) is not None for b in w.put_copies._bufs)
     assert host_result(host)["w"] == sha(big)
+
+
+def test_buffer_puts_auto_on_loopback_waits_and_copies_nothing(guest):
+    """The default (buffer_puts: auto): to a peer a fraction of a millisecond away a copy costs more than
+    waiting for the bytes, so the put sends the caller's arrays themselves and returns once they arrived."""
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps), section(eps), "s9a", names="w,w2")
+    big = [np.random.default_rng(4).standard_normal(600_000)]
+    ctx.hosts[0].put("w", big)
+    ctx.hosts[0].put("w2", big)
+    w = fed.fate_rdma
+    assert w.stats["buffered_puts"] == 0 and not w._inflight and w.put_copies.fresh_bytes == 0
+    assert w.endpoint.connect(eps["host:10000"]).probe.rtt_s < 0.02
+    res = host_result(host)
+    assert res.get("error") is None and res["w"] == res["w2"] == sha(big), res
+
+
+def test_buffer_puts_auto_copies_a_small_put_to_a_distant_peer(guest):
+    """Over the soft provider's link model (20 ms round trip, emulated): once the connection has measured
+    its round trip, a put of 4.8 MB is copied and returns at once (its copy costs less than the wait); the
+    first put, before any round trip is known, waits for its bytes."""
+    eps = endpoints()
+    link = {"soft_link": "rate=10gbit,rtt=20ms"}
+    ctx, fed, host = guest(section(eps, **link), section(eps, **link), "s9w", names="w,w2")
+    w = fed.fate_rdma
+    big = [np.random.default_rng(4).standard_normal(600_000)]
+    ctx.hosts[0].put("w", big)
+    assert w.stats["buffered_puts"] == 0  # no round trip measured when it was put
+    assert w.endpoint.connect(eps["host:10000"]).probe.rtt_s >= 0.02
+    ctx.hosts[0].put("w2", big)
+    assert w.stats["buffered_puts"] == 1 and w.flush(10) and w._inflight_bytes == 0
+    res = host_result(host)
+    assert res.get("error") is None and res["w"] == res["w2"] == sha(big), res
 
 
 def test_put_buffer_off_waits_for_delivery(guest):
@@ -433,7 +482,7 @@ def test_a_buffered_put_that_fails_later_is_raised_by_the_next_call(guest, caplo
     party's next put raises it naming the put, and the receiver's get fails at its deadline."""
     eps = endpoints()
     small_rx = section(eps, mode="fedrdma", max_payload_bytes=1 << 20, pull_timeout_s=3)
-    ctx, fed, host = guest(section(eps, mode="fedrdma"), small_rx, "s10")
+    ctx, fed, host = guest(section(eps, mode="fedrdma", buffer_puts=True), small_rx, "s10")
     ctx.hosts[0].put("w", [np.ones(400_000)])  # 3.2 MB: over the host's max_payload_bytes
     assert fed.fate_rdma.flush(20)
     with pytest.raises(E.PeerUnreachable, match="buffered put of 'w'.*failed after it returned"):

@@ -58,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the channel; the launcher's per-job secret proves the senders), fate (a descriptor through "
                         "FATE's own federation, small objects on FATE's path), auto (default, as in a job conf: "
                         "channel here)")
+    p.add_argument("--soft-link", default=None, metavar="SPEC",
+                   help="the soft provider's link model between the parties, e.g. rate=10gbit,rtt=20ms: an emulated "
+                        "WAN for fate-rdma's jobs and the channel-alone baseline (FATE's own path runs unshaped on "
+                        "loopback, so compare fate-rdma's rows with each other, not with FATE's)")
+    p.add_argument("--buffer-puts", default="auto", choices=["auto", "true", "false"],
+                   help="fate-rdma's buffer_puts (default auto, as in a job conf: a put is copied and returns at once "
+                        "only where its copy costs less than the round trip to its parties, which on this machine's "
+                        "loopback is never; true: every put is copied, the default before 2026-11-27; false: none)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
     p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
     p.add_argument("--pairs", type=int, default=1,
@@ -158,6 +166,8 @@ def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Di
     """The ChannelConfig fields of the bench's fate-rdma jobs (and of the channel-alone baseline)."""
     fields: Dict[str, Any] = {"mode": args.mode, "provider": args.provider, "window": "auto",
                               "same_host": data_path == "same-host"}
+    if args.soft_link:
+        fields["soft_link"] = args.soft_link
     if args.mode == "fedrdma-e":
         # two slots (the default): the payload the application holds in place (lent) and one that circulates
         fields.update(pool_slots=2, slot_bytes=upload + (16 << 20))
@@ -167,6 +177,7 @@ def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Di
 def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tcp") -> None:
     sec: Dict[str, Any] = {"enabled": True, "threshold_bytes": 1 << 20, "fallback": "error",
                            "descriptors": args.descriptors,
+                           "buffer_puts": {"true": True, "false": False}.get(args.buffer_puts, args.buffer_puts),
                            "endpoints": local_endpoints(), **_channel_fields(args, upload, data_path)}
     with open(path, "w") as f:
         json.dump({"fate_rdma": sec}, f)
@@ -339,6 +350,18 @@ def run(args: argparse.Namespace) -> int:
     if args.scale is not None and not 0 < args.scale <= 1:
         print("bench fate: --scale must be in (0, 1]", file=sys.stderr)
         return 2
+    if args.soft_link:
+        from easypyverbs import LinkModel
+
+        try:
+            LinkModel.parse(args.soft_link)
+        except ValueError as exc:
+            print(f"bench fate: --soft-link: {exc}", file=sys.stderr)
+            return 2
+        if "fate" in methods or args.path != "tcp" or args.provider == "pyverbs":
+            print("bench fate: --soft-link shapes the soft provider's TCP path only: use it with --methods fate-rdma, "
+                  "--path tcp and the soft provider (FATE's own path would run unshaped beside it)", file=sys.stderr)
+            return 2
     try:
         import fate.arch  # noqa: F401
     except ImportError:
@@ -369,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
                     row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
                     row.update(path=data_path, pair=pair + 1,
                                descriptors=args.descriptors if method == "fate-rdma" else "-",
+                               buffer_puts=args.buffer_puts if method == "fate-rdma" else "-",
                                chunks_up=-(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None,
                                fate_slices_up=-(-row["up_bytes"] // (1 << 20)))
                     emit(row)

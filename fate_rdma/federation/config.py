@@ -15,8 +15,11 @@
                                  # tls, and fallback: error), "fate" (a small descriptor through FATE's own
                                  # federation; small objects stay on FATE's path), "auto" (channel where it
                                  # can be, else fate; every party must end up with the same)
-      put_buffer_bytes: 1073741824  # a put of arrays copies them (as FATE's pickling does) and returns at once,
-                                 # while its bytes go in the background, up to this many bytes in flight; 0: off
+      buffer_puts: auto          # a put of arrays copies them (as FATE's pickling does) and returns at once while
+                                 # its bytes go in the background (true), or waits until they have arrived
+                                 # (false, no copy); auto: copies a put whose copy costs less than the round trip
+                                 # to its parties (bytes <= RTT x PUT_COPY_BYTES_PER_S), as small payloads on a WAN
+      put_buffer_bytes: 1073741824  # copied puts in flight at most (then a put waits); 0: no put is copied
       endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
         guest:9999: 10.0.0.1:18600
         host:10000: 10.0.0.2:18600
@@ -28,13 +31,20 @@ import dataclasses
 import json
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from ..config import ChannelConfig
 from ..errors import ConfigError
 
 FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_timeout_s", "put_buffer_bytes", "endpoints",
-            "listen_host", "descriptors"}
+            "listen_host", "descriptors", "buffer_puts"}
+
+#: what `buffer_puts: auto` takes a put's copy to cost: a second per GB, about what the copies ran at inside
+#: `bench fate` rounds on the 2-core test machine, three busy parties (36 MiB in 49-55 ms). A copy pays where
+#: it costs less than the round trip a put that waits for its bytes spends on their confirmation (README,
+#: "Buffered puts": on loopback no copy won at every size, over a 20 ms link the copy of LoRA rank 4 and 32
+#: won by 30-40 ms a round and stopped paying from rank 128, 72 MiB, up)
+PUT_COPY_BYTES_PER_S = 1e9
 
 
 #: the longest wait a timeout may ask for (a year; Python's own limit is threading.TIMEOUT_MAX)
@@ -62,6 +72,10 @@ class RdmaFederationConfig:
     #: (FATE's SecureAggregatorServer) overlap; at most this many bytes in flight, 0 = every put waits
     #: until its bytes have arrived
     put_buffer_bytes: int = 1 << 30
+    #: which puts are buffered (copied, the put returning at once): True all (within put_buffer_bytes), False
+    #: none (a put waits until its bytes have arrived), "auto" those whose copy costs less than the measured
+    #: round trip to their parties (copies_put)
+    buffer_puts: Union[bool, str] = "auto"
     #: interface this party's endpoint binds (default: the host of its own endpoints entry)
     listen_host: Optional[str] = None
     #: "fate": a large object's descriptor travels through FATE's own federation (FATE's ordering and blocking
@@ -85,6 +99,8 @@ class RdmaFederationConfig:
             raise ConfigError("fate_rdma.threshold_bytes must be positive")
         if isinstance(self.put_buffer_bytes, bool) or not isinstance(self.put_buffer_bytes, int) or self.put_buffer_bytes < 0:
             raise ConfigError(f"fate_rdma.put_buffer_bytes must be a byte count >= 0, got {self.put_buffer_bytes!r}")
+        if not (isinstance(self.buffer_puts, bool) or self.buffer_puts == "auto"):
+            raise ConfigError(f"fate_rdma.buffer_puts must be true, false or 'auto', got {self.buffer_puts!r}")
         for key in ("pull_timeout_s", "get_timeout_s"):
             value = getattr(self, key)
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S):
@@ -108,6 +124,14 @@ class RdmaFederationConfig:
         if self.descriptors != "auto":
             return self.descriptors
         return "channel" if self.proven_senders and self.fallback == "error" else "fate"
+
+    def copies_put(self, nbytes: int, rtt_s: float) -> bool:
+        """Is a put of `nbytes` copied (and returns at once) rather than waiting for its bytes, the slowest
+        round trip to its parties being `rtt_s` (0 where none is measured yet)? Within put_buffer_bytes only
+        (the wrapper checks the room)."""
+        if self.buffer_puts == "auto":
+            return nbytes <= rtt_s * PUT_COPY_BYTES_PER_S
+        return bool(self.buffer_puts)
 
     def address_of(self, party: Tuple[str, str]) -> str:
         key = party_key(party)

@@ -14,8 +14,8 @@ edited or registered, the server is not restarted, and a job without the section
 
 What is per job (the section) and what is per site (the site file, written once by the operator with
 `fate-rdma flow setup`): the section may carry any channel key (mode, chunk_bytes, window, slot_bytes,
-...) and enabled, threshold_bytes, fallback, pull_timeout_s, get_timeout_s, put_buffer_bytes; the site file carries
-`endpoints` (this site's parties and its peers), `listen_host`, `provider`, `device`, optionally
+...) and enabled, threshold_bytes, fallback, pull_timeout_s, get_timeout_s, put_buffer_bytes, buffer_puts; the
+site file carries `endpoints` (this site's parties and its peers), `listen_host`, `provider`, `device`, optionally
 `flow_address`, the security keys (`secret_file`, `auth`, `tls`, `tls_cert`, `tls_key`, `tls_ca`: a job
 can neither point at other credentials nor switch them off) and channel defaults. A site key in the section is an error.
 """

@@ -189,7 +189,7 @@ class RdmaFederation:
             crc = 0
             for b in bufs:
                 crc = crc32c.crc32c(b, crc)
-        held, fill = self._buffered(bufs, len(v), framed)
+        held, fill = self._buffered(bufs, len(v), framed, parties)
         sends = self._send_all(v, bufs, held, fill, crc, framed, name, tag, parties)
         for p, key, fut in sends:
             err: Optional[BaseException] = fut if isinstance(fut, BaseException) else None
@@ -279,11 +279,12 @@ class RdmaFederation:
         return sends
 
     # -- buffered puts --------------------------------------------------------------------------
-    def _buffered(self, bufs: List[Any], nbytes: int, framed: bool) -> Tuple[Optional[List[Any]], Optional[Fill]]:
+    def _buffered(self, bufs: List[Any], nbytes: int, framed: bool,
+                  parties: List[Tuple[str, str]]) -> Tuple[Optional[List[Any]], Optional[Fill]]:
         """What a buffered put sends: `bufs` themselves when they cannot change (bytes), else one copy of
         them (a frame's arrays belong to the caller, who may change them once put returns, as FATE's own
         pickling allows), with the Fill that copies them in (run by the put once its sends are under way).
-        None: no room under put_buffer_bytes, this put waits for its bytes to arrive."""
+        None: not buffered (buffer_puts, or no room under put_buffer_bytes), this put waits for its bytes."""
         limit = self.cfg.put_buffer_bytes
         t0 = time.perf_counter()
         got = self._shared.share(bufs) if framed and limit else None  # the same arrays, unchanged, still held
@@ -291,6 +292,8 @@ class RdmaFederation:
         if got is not None:
             self.stats["shared_puts"] += 1
             return [got[0]], got[1]
+        if not self.cfg.copies_put(nbytes, self._rtt_s(parties) if self.cfg.buffer_puts == "auto" else 0.0):
+            return None, None
         with self._inflight_lock:
             if not limit or self._inflight_bytes + nbytes > limit:
                 return None, None
@@ -305,6 +308,17 @@ class RdmaFederation:
             raise
         self.stats["buffered_puts"] += 1
         return [copy], Fill(nbytes, block_digest(self.cfg.channel.checksum))
+
+    def _rtt_s(self, parties: List[Tuple[str, str]]) -> float:
+        """The slowest round trip its connection measured to any of `parties` (0 where none is yet: a new
+        connection's first put waits for its bytes); a party it cannot reach is left to the send to report."""
+        worst = 0.0
+        for p in parties:
+            try:
+                worst = max(worst, self.endpoint.connect(self.cfg.address_of(tuple(p))).probe.rtt_s or 0.0)
+            except (PeerUnreachable, ConfigError):
+                pass
+        return worst
 
     def _track(self, held: List[Any], futs: List[Any], nbytes: int, name: str, fill: Optional[Fill]) -> None:
         """Keep `held` until every send of one buffered put is over; then its room is free again. A send
