@@ -45,6 +45,28 @@ def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
     assert "10.0x less (target >= 8x: met)" in single[0] and "median of" not in single[1]
 
 
+def test_bench_fate_conf_carries_buffer_puts_and_the_link_model_and_refuses_a_link_beside_fate(tmp_path, capsys):
+    """--buffer-puts and --soft-link reach the parties' section (and the link the channel-alone baseline's
+    fields); a link model with FATE's own path (unshaped), another path, or a bad spec exits 2 with the reason."""
+    import argparse
+
+    from fate_rdma.bench import fate_federation as ff
+
+    p = argparse.ArgumentParser()
+    ff.add_arguments(p)
+    args = p.parse_args(["--methods", "fate-rdma", "--soft-link", "rate=10gbit,rtt=20ms", "--buffer-puts", "false"])
+    ff._conf(str(tmp_path / "c.json"), args, 1 << 20)
+    sec = json.load(open(tmp_path / "c.json"))["fate_rdma"]
+    assert sec["buffer_puts"] is False and sec["soft_link"] == "rate=10gbit,rtt=20ms"
+    assert ff._channel_fields(args, 1 << 20, "tcp")["soft_link"] == "rate=10gbit,rtt=20ms"
+    assert "soft_link" not in ff._channel_fields(p.parse_args([]), 1 << 20, "tcp")
+    for argv, why in ((["--soft-link", "rtt=20ms"], "FATE's own path would run unshaped"),
+                      (["--methods", "fate-rdma", "--soft-link", "rtt=20ms", "--path", "same-host"], "TCP path only"),
+                      (["--methods", "fate-rdma", "--soft-link", "rate=fast"], "bad rate")):
+        assert ff.run(p.parse_args(argv)) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_wait_until_sleeps_to_the_instant_and_reports_lateness():
     start = time.monotonic() + 0.05
     assert wait_until(start) == start and time.monotonic() >= start

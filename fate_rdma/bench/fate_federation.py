@@ -190,7 +190,7 @@ def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: in
           f"three processes, path {data_path}", file=sys.stderr, flush=True)
     got = channel_alone.measure(_channel_fields(args, row["up_bytes"], data_path), row["up_bytes"], row["down_bytes"],
                                 rounds, timeout=args.timeout)
-    return dict(row, method="channel-alone", descriptors="-", round_comm_seconds=got["round_seconds"],
+    return dict(row, method="channel-alone", descriptors="-", buffer_puts="-", round_comm_seconds=got["round_seconds"],
                 round_comm_seconds_all=got["round_seconds_all"], start_late_seconds=got["start_late_seconds"],
                 peak_rss_bytes=0, arbiter_peak_rss_bytes=0,
                 aggregate_seconds=0.0, breakdown=None)
@@ -351,14 +351,15 @@ def run(args: argparse.Namespace) -> int:
         print("bench fate: --scale must be in (0, 1]", file=sys.stderr)
         return 2
     if args.soft_link:
-        from easypyverbs import LinkModel
+        from easypyverbs import EasyVerbsError, LinkModel, choose_provider
 
         try:
             LinkModel.parse(args.soft_link)
-        except ValueError as exc:
+            soft = choose_provider(args.provider)[0] == "soft"
+        except (ValueError, EasyVerbsError) as exc:
             print(f"bench fate: --soft-link: {exc}", file=sys.stderr)
             return 2
-        if "fate" in methods or args.path != "tcp" or args.provider == "pyverbs":
+        if "fate" in methods or args.path != "tcp" or not soft:
             print("bench fate: --soft-link shapes the soft provider's TCP path only: use it with --methods fate-rdma, "
                   "--path tcp and the soft provider (FATE's own path would run unshaped beside it)", file=sys.stderr)
             return 2

@@ -235,6 +235,16 @@ class Endpoint:
                 spare.close()
             return live or conn
 
+    def round_trip_s(self, address: str) -> float:
+        """The round trip the live connection to `address` measured, without dialing: 0 where there is none
+        yet, its probe has not finished, or the peer is a process of this host with no link model between
+        (Connection.near: a probe there reads scheduling noise, several ms under load, not a path's delay)."""
+        with self._lock:
+            conn = self._live(address)
+        if conn is None or conn.near:
+            return 0.0
+        return conn.probe.rtt_s or 0.0
+
     def _live(self, address: str) -> Optional[Connection]:
         """The live connection to `address`, the spare promoted if the first has ended (lock held)."""
         conn = self._conns.get(address)

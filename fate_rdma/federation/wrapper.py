@@ -292,13 +292,14 @@ class RdmaFederation:
         if got is not None:
             self.stats["shared_puts"] += 1
             return [got[0]], got[1]
-        if not self.cfg.copies_put(nbytes, self._rtt_s(parties) if self.cfg.buffer_puts == "auto" else 0.0):
+        copied = framed or not isinstance(bufs[0], bytes)  # (bytes cannot change: buffered as they are)
+        if copied and not self.cfg.buffers_put(nbytes, self._rtt_s(parties) if self.cfg.buffer_puts == "auto" else 0.0):
             return None, None
         with self._inflight_lock:
             if not limit or self._inflight_bytes + nbytes > limit:
                 return None, None
             self._inflight_bytes += nbytes
-        if not framed and isinstance(bufs[0], bytes):
+        if not copied:
             return list(bufs), None
         try:
             copy = self.put_copies.get(nbytes)
@@ -310,13 +311,13 @@ class RdmaFederation:
         return [copy], Fill(nbytes, block_digest(self.cfg.channel.checksum))
 
     def _rtt_s(self, parties: List[Tuple[str, str]]) -> float:
-        """The slowest round trip its connection measured to any of `parties` (0 where none is yet: a new
-        connection's first put waits for its bytes); a party it cannot reach is left to the send to report."""
+        """The slowest round trip measured to any of `parties` (Endpoint.round_trip_s: nothing is dialed, a party
+        without a measured connection counts 0); an unknown party is left to the send to report."""
         worst = 0.0
         for p in parties:
             try:
-                worst = max(worst, self.endpoint.connect(self.cfg.address_of(tuple(p))).probe.rtt_s or 0.0)
-            except (PeerUnreachable, ConfigError):
+                worst = max(worst, self.endpoint.round_trip_s(self.cfg.address_of(tuple(p))))
+            except ConfigError:
                 pass
         return worst
 
