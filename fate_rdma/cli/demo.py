@@ -200,10 +200,16 @@ def _full_comparison(args: argparse.Namespace) -> bool:
 
 
 def full_comparison_args(provider: str) -> argparse.Namespace:
-    """`bench fate`'s arguments for demo part 2: one round at the largest scale FATE fits, both methods."""
-    return argparse.Namespace(quick=False, scale=None, rounds=1, lora_ranks=None, mode="fedrdma", path="tcp",
-                              methods="fate,fate-rdma", provider=provider, timeout=1800, keep=None,
-                              pairs=1, channel_alone=False, descriptors="auto")  # `bench fate` shows the channel-alone baseline
+    """`bench fate`'s arguments for demo part 2: one round at the largest scale FATE fits, both methods; every
+    other option at `bench fate`'s own default (taken from its parser, so that a new option cannot break it)."""
+    from ..bench import fate_federation
+
+    p = argparse.ArgumentParser()
+    fate_federation.add_arguments(p)
+    args = p.parse_args([])
+    args.__dict__.update(rounds=1, mode="fedrdma", path="tcp", methods="fate,fate-rdma", provider=provider, timeout=1800,
+                         pairs=1, channel_alone=False)  # (the demo's part 3 shows the transport alone)
+    return args
 
 
 def run(args: argparse.Namespace) -> int:
