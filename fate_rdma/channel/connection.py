@@ -26,7 +26,7 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, one_host, path_rate_bps, qps_in_use, window_for
+from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
 from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
@@ -83,8 +83,7 @@ class Connection:
         peer, pool, staging, nqps = agreed.peer, agreed.pool, agreed.staging, agreed.qps
         self.peer = peer.name
         self.peer_hello = peer
-        #: a process of this host, no link model between (its probe's RTT is scheduling noise, not a path's)
-        self.near = one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link
+        self.near = agreed.near  # (handshake.Agreed)
         # FedRDMA-E slots start small and reserve more as they grow (fedrdma_e.SlotReceiver.on_grow)
         first = pool.slots * pool.offset_in_slot(min(cfg.slot_initial_bytes, cfg.slot_bytes)) if pool else 0
         offered = first + (staging.count * staging.buf_bytes if staging else 0)

@@ -207,6 +207,8 @@ class Agreed:
     pool: Optional[PoolOffer]
     staging: Optional[StagingOffer]
     qps: int
+    #: the peer is a process of this host with no link model between (its RTT probe reads scheduling noise)
+    near: bool = False
 
 
 def negotiate(boot: ev.BootstrapConn, cfg: Any, name: str, terms: Optional[Mapping[str, str]], proven: str) -> Agreed:
@@ -216,14 +218,15 @@ def negotiate(boot: ev.BootstrapConn, cfg: Any, name: str, terms: Optional[Mappi
     pool = PoolOffer(cfg.pool_slots, cfg.slot_bytes, MAX_META) if cfg.mode == "fedrdma-e" else None
     staging = (StagingOffer(cfg.max_window, HDR_SLOT + cfg.chunk_bytes, MAX_META)
                if cfg.mode == "fedrdma" or cfg.too_large == "fedrdma" else None)
-    offer_qps = qps_offer(cfg.qps_per_peer, one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link)
+    near = one_host(boot.local[0], boot.peer[0]) and not cfg.soft_link
+    offer_qps = qps_offer(cfg.qps_per_peer, near)
     peer = exchange_hello(boot, Hello(name, offer_qps, pool, staging, cfg.checksum, terms,
                                       placed_notes=pool is not None and cfg.checksum in BLOCKWISE), cfg.connect_timeout_s)
     if peer.name != proven:
         raise RemoteProtocolError(f"peer authenticated as {proven!r} names itself {peer.name!r} in its hello")
     agree_checksum(cfg.checksum, peer)
     agree_terms(terms, peer)
-    return Agreed(peer, pool, staging, max(1, min(offer_qps, peer.qps)))
+    return Agreed(peer, pool, staging, max(1, min(offer_qps, peer.qps)), near)
 
 
 def confirm_posted(boot: ev.BootstrapConn, timeout_s: float) -> None:

@@ -293,7 +293,7 @@ class RdmaFederation:
             self.stats["shared_puts"] += 1
             return [got[0]], got[1]
         copied = framed or not isinstance(bufs[0], bytes)  # (bytes cannot change: buffered as they are)
-        if copied and not self.cfg.buffers_put(nbytes, self._rtt_s(parties) if self.cfg.buffer_puts == "auto" else 0.0):
+        if copied and not self.cfg.buffers_put(nbytes, self._rtt_s(parties)):
             return None, None
         with self._inflight_lock:
             if not limit or self._inflight_bytes + nbytes > limit:
