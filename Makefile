@@ -8,6 +8,7 @@ STAMP  := $(VENV)/.installed-dev
 .PHONY: demo test test-rdma venv rdma-core rabbitmq wan-deps bench-verbs doctor clean
 
 $(PY):
+	bash deploy/check-space.sh $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=23,<26"
 

@@ -316,7 +316,6 @@ def _baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarra
                add: Any) -> Optional[RawTcp]:
     """Raw TCP, gRPC and Mooncake TE over loopback TCP, each against the same payload. The raw TCP connection
     stays open (returned) for the channel's rows to pair their transfers with."""
-    nbytes = data.nbytes
     raw = RawTcp(peer) if "raw_tcp" in methods else None
     try:
         if raw is not None:

@@ -92,10 +92,10 @@ def serve(host: str, port: int) -> int:
     server = None
     base_rss = ep_base_rss = rss_bytes()
 
-    def drain() -> None:
-        while ep is not None:
+    def drain(mine: Endpoint) -> None:  # ends when its endpoint is replaced or closed (one drainer each)
+        while ep is mine:
             try:
-                msg = ep.recv(timeout=0.5)
+                msg = mine.recv(timeout=0.5)
             except Exception:
                 continue
             n = msg.nbytes
@@ -124,7 +124,7 @@ def serve(host: str, port: int) -> int:
                 ep_base_rss = rss_bytes()
                 ep = Endpoint(ChannelConfig.from_dict(cmd["config"]), host, name=cmd.get("name"),
                               allowed_peers=cmd.get("allowed_peers"), party_names=cmd.get("party_names"))
-                threading.Thread(target=drain, daemon=True).start()
+                threading.Thread(target=drain, args=(ep,), daemon=True).start()
                 conn.send({"ok": True, "address": ep.address, "label": ep.label, "emulated": ep.ctx.emulated})
             elif op == "mark":
                 base_rss = ep_base_rss = rss_bytes()
