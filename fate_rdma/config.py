@@ -88,7 +88,11 @@ class ChannelConfig:
     recv_cache_bytes: int = 4 << 30
     #: FedRDMA-E payload larger than a slot: "error" (PayloadTooLarge) or "fedrdma" (send that one chunked+staged)
     too_large: str = "error"
-    no_progress_timeout_s: float = 30.0
+    #: a transfer whose peer shows no progress this long fails. Not shorter than the peer's longest hold: code
+    #: that keeps its process's GIL (FATE's secure aggregation sums a client's model in one call: ~9 s for
+    #: GPT-2 small on a 2-core VM, more for larger models) stops its channel meanwhile (easypyverbs.stalls;
+    #: the held process logs each hold). A peer that is gone ends the transfer at once, whatever this says
+    no_progress_timeout_s: float = 120.0
     transfer_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     #: verbs provider: "auto", "pyverbs" or "soft"; device name for pyverbs

@@ -11,7 +11,9 @@ answers once the transfer is under way); {"cmd": "mark"} resets the peak-RSS cou
 {"cmd": "expect", "count": n} waits until n fate-rdma messages (each released at once) or gRPC
 calls arrived in all, and answers with the peak RSS above the level before the last "mark" and
 above the level before the endpoint was made, the endpoint's FedRDMA-E pool bytes (and, with "record": true on the
-endpoint, each message's peer, size, crc32c and metadata, for tests); {"cmd": "exit"}.
+endpoint, each message's peer, size, crc32c and metadata, for tests); {"cmd": "hold", "seconds": s, "after_s": d}
+holds this process's GIL for s seconds, d seconds from now, as native code that keeps the GIL does (tests of
+easypyverbs.stalls); {"cmd": "exit"}.
 """
 from __future__ import annotations
 
@@ -83,6 +85,16 @@ def _grpc_server(counter: _Counter) -> Any:
     return server, port
 
 
+def _hold(after_s: float, seconds: float) -> None:
+    """Keep the GIL for `seconds`, `after_s` from now: a PyDLL call does not release it, as native code that
+    holds it (FATE's secure aggregation) does not."""
+    import ctypes
+    import time
+
+    time.sleep(after_s)
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
 def serve(host: str, port: int) -> int:
     conn = ev.connect(host, port, timeout_s=30)
     raw = _RawReceiver()
@@ -146,7 +158,12 @@ def serve(host: str, port: int) -> int:
                            "refused": ep.refused if ep is not None else 0,
                            "budget_held_bytes": ep.budget.held_bytes if ep is not None else 0,
                            "pool_bytes": ep.pool_bytes() if ep is not None else 0,
-                           "peers": ep.peers() if ep is not None else [], "count": counter.n})
+                           "peers": ep.peers() if ep is not None else [], "count": counter.n,
+                           "holds": ep.holds if ep is not None else 0,
+                           "longest_hold_s": ep.longest_hold_s if ep is not None else 0.0})
+            elif op == "hold":
+                threading.Thread(target=_hold, args=(float(cmd["after_s"]), float(cmd["seconds"])), daemon=True).start()
+                conn.send({"ok": True})
             elif op == "send":  # this endpoint sends to `address` (as the victim answering a party)
                 try:
                     info = ep.send(cmd["address"], bytes.fromhex(cmd["hex"]), cmd.get("metadata")).result(30)  # type: ignore[union-attr]

@@ -20,6 +20,7 @@ import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import easypyverbs as ev
+from easypyverbs.stalls import clock
 
 from .. import protocol as P
 from ..config import ChannelConfig
@@ -159,9 +160,9 @@ class Connection:
 
     # -- engine loop ----------------------------------------------------------------------------
     def _run(self) -> None:
-        last_tick = time.monotonic()
+        last_tick = clock()
         try:
-            self.probe.start(time.monotonic())
+            self.probe.start(clock())
             while not self._stop:
                 with self.control.held():  # this turn's control frames leave with its WRITEs
                     self._handle_requests()
@@ -172,7 +173,7 @@ class Connection:
                     wcs = []
                 for wc in wcs:
                     self._on_wc(wc)
-                now = time.monotonic()
+                now = clock()
                 if now - last_tick > 0.1:
                     last_tick = now
                     self._tick(now)
@@ -213,7 +214,7 @@ class Connection:
 
     def _start(self, o: Outgoing) -> bool:
         """Make `o` the active transfer; False if it must wait (no free slot yet)."""
-        cfg, now = self.cfg, time.monotonic()
+        cfg, now = self.cfg, clock()
         peer = self.peer_hello
         try:
             mode = choose_mode(cfg.mode, o.payload.total, peer.pool.slot_payload_bytes if peer.pool else None,
@@ -231,7 +232,7 @@ class Connection:
         machine = engine.machine(o, w, common)  # type: ignore[union-attr]
         if machine is None:
             return False
-        o.machine, o.mode, o.started = machine, mode, now
+        o.machine, o.mode, o.started = machine, mode, time.monotonic()  # (`now` leaves out holds: for deadlines)
         o.fut.mode, o.fut.window, o.fut.chunks = mode.value, machine.window, len(machine.chunks)
         self._active = o
         return True

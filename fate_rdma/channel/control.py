@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import time
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import easypyverbs as ev
+from easypyverbs.stalls import clock
 
 from .. import protocol as P
 from ..errors import (IntegrityError, PayloadTooLarge, RemoteProtocolError, TransferCancelled, TransferError,
@@ -172,5 +172,5 @@ def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
     elif c.kind is CtrlKind.PROBE:
         conn.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
     elif c.kind is CtrlKind.PROBE_REPLY:
-        if conn.probe.on_reply(int(c.value), time.monotonic()):
+        if conn.probe.on_reply(int(c.value), clock()):
             log.info("connection to %s: RTT %.3f ms, window %d", conn.peer, conn.probe.rtt_s * 1e3, conn._window())  # type: ignore[operator]

@@ -6,9 +6,11 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import easypyverbs as ev
+from easypyverbs import stalls
 
 from ..config import ChannelConfig
 from ..errors import AuthenticationError, ConfigError, PeerUnreachable, TransferTimeout
@@ -23,6 +25,28 @@ log = logging.getLogger("fate_rdma.channel")
 
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _hold_reporter(ref: "weakref.ReferenceType[Endpoint]") -> Callable[[float, float], None]:
+    """For easypyverbs.stalls: counts each hold of this process for the endpoint and says what it did to its
+    transfers (a warning once a hold reaches a quarter of what a peer waits for progress before giving up)."""
+    def report(seconds: float, _ended: float) -> None:
+        ep = ref()
+        if ep is None or ep._closed:
+            return
+        ep.holds += 1
+        ep.held_s += seconds
+        ep.longest_hold_s = max(ep.longest_hold_s, seconds)
+        peers = ep.peers()
+        if not peers:
+            return
+        limit = ep.config.no_progress_timeout_s
+        (log.warning if seconds >= limit / 4 else log.info)(
+            "fate-rdma endpoint %s: this process ran no Python for %.1f s (code holding the GIL, such as FATE's secure "
+            "aggregation of a large model, or the process stopped); the soft provider and the channel of %s stood "
+            "still meanwhile. A peer gives up after no_progress_timeout_s (%g s) without progress: keep it above the "
+            "longest hold", ep.name, seconds, ", ".join(peers), limit)
+    return report
 
 
 class Endpoint:
@@ -47,7 +71,10 @@ class Endpoint:
         if self.tls is not None and (name or port):  # before anything is opened: a wrong certificate fails here
             self.tls.check_own(name or f"{host}:{port}")
         provider = config.provider
-        soft_opts: Dict[str, Any] = {"same_host": config.same_host}
+        # the soft provider's NIC is threads of this process (and of the peer's): it must not give up on a held
+        # peer before the channel would (its kernel send and receive timeouts; a real NIC answers from hardware)
+        soft_opts: Dict[str, Any] = {"same_host": config.same_host,
+                                     "retry_timeout_s": max(30.0, config.no_progress_timeout_s)}
         if self.tls is not None:
             soft_opts["tls"] = self.tls.contexts  # the soft provider's data connections, with the same certificates
         if provider == "soft":
@@ -84,6 +111,9 @@ class Endpoint:
                                 else max(2, config.max_pending_handshakes // 4))
         self.refused = 0  # connections closed unauthenticated or over the pending cap (for tests and doctor)
         self._closed = False
+        # holds of this process (easypyverbs.stalls) since the endpoint opened: count, seconds, the longest
+        self.holds, self.held_s, self.longest_hold_s = 0, 0.0, 0.0
+        self._holds_token = stalls.subscribe(_hold_reporter(weakref.ref(self)))
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
         log.info("fate-rdma endpoint %s on %s (%s), peers %s%s", self.name, self.address, self.ctx.label,
@@ -306,6 +336,7 @@ class Endpoint:
         if self._closed:
             return
         self._closed = True
+        stalls.unsubscribe(self._holds_token)
         self._acceptor.join(timeout=5)
         self.listener.close()
         for c in self._all_conns():

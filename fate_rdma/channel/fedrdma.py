@@ -8,10 +8,11 @@ Receiving: the mirror image, with protocol.FedRdmaReceiver deciding what each ch
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import crc32c
+
+from easypyverbs.stalls import clock
 
 from .. import protocol as P
 from ..errors import IntegrityError, PayloadTooLarge, RemoteProtocolError
@@ -68,7 +69,7 @@ class StagedSender:
         self.credits.give_back(int(c.aux))
         if active is not None and active.machine is not None and active.fut.transfer_id == c.transfer_id \
                 and active.error is None and isinstance(active.machine, P.FedRdmaSender):
-            active.machine.on_ack(int(c.value), time.monotonic())
+            active.machine.on_ack(int(c.value), clock())
             active.fut._progress(active.machine.done_bytes)
             if active.machine.finished:
                 self.conn.finish_out(active)
@@ -111,7 +112,7 @@ class StagedReceiver:
         data = view[data_at:data_at + hdr.length]
         meta = bytes(view[P.HEADER.size:P.HEADER.size + hdr.meta_len])  # the checksum covers it
         try:
-            placed = self.machine.on_chunk(hdr, data, time.monotonic(), meta)
+            placed = self.machine.on_chunk(hdr, data, clock(), meta)
         except (IntegrityError, PayloadTooLarge, RemoteProtocolError) as exc:
             self._forget(hdr.transfer_id)
             code = (ErrorCode.INTEGRITY if isinstance(exc, IntegrityError) else

@@ -20,12 +20,12 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import crc32c
 
 import easypyverbs as ev
+from easypyverbs.stalls import clock
 
 from .. import protocol as P
 from ..errors import IntegrityError, RemoteProtocolError
@@ -137,7 +137,7 @@ class SlotSender:
 
     def on_write_complete(self, o: "Outgoing", seq: int) -> None:
         m: P.FedRdmaESender = o.machine
-        m.on_write_complete(seq, time.monotonic())
+        m.on_write_complete(seq, clock())
         o.fut._progress(m.done_bytes)
         if self.notes and o.integrity.kind in BLOCKWISE and o.payload.total >= PLACED_NOTE_MIN_BYTES \
                 and not m.header_posted:
@@ -179,7 +179,7 @@ class SlotSender:
         self.slot_mrs[slot] = dataclasses.replace(self.slot_mrs[slot], rkey=self.ring.rkey[slot],
                                                   length=self.offer.offset_in_slot(self.ring.capacity[slot]))
         if grew is not None and active is not None and active.fut.transfer_id == grew and active.error is None:
-            active.machine.on_room(self.ring.capacity[slot], time.monotonic())
+            active.machine.on_room(self.ring.capacity[slot], clock())
 
     def on_reclaim(self, c: P.Ctrl) -> None:
         """The peer wants a grown slot back, to shrink it: returned now, or when our transfer in it ends."""
@@ -218,7 +218,7 @@ class SlotReceiver:
         slots = conn.mem.slots
         self.machine = P.FedRdmaEReceiver(offer.slots, offer.slot_payload_bytes, offer.meta_cap,
                                           integrity=conn.recv_integrity, initial_payload_bytes=slots.initial_payload_bytes,
-                                          idle_s=conn.cfg.pool_idle_s, now=time.monotonic(),
+                                          idle_s=conn.cfg.pool_idle_s, now=clock(),
                                           rkeys=[mr.rkey for mr in slots.mrs])
         self.pool = self.machine.pool
         self._written: Dict[int, int] = {}  # slot -> bytes its last transfer announced (header to payload end)
@@ -255,7 +255,7 @@ class SlotReceiver:
         # a slot out of range is refused by the machine before it reads the (empty) view
         view = conn.mem.slot_view(slot) if slot < self.machine.nslots else memoryview(b"")
         try:
-            msg = self.machine.on_write_imm(imm, view, time.monotonic())
+            msg = self.machine.on_write_imm(imm, view, clock())
         except RemoteProtocolError as exc:
             # a header we can read, refused (not the checksum required, sizes beyond the slot, a replay): refuse it and
             # give the slot back; anything worse (no such slot, a slot still held, garbage) ends the connection
@@ -316,7 +316,7 @@ class SlotReceiver:
         with self._lent_lock:
             lent = slot in self._lent
             self._lent.discard(slot)
-        self.machine.release(slot, time.monotonic())
+        self.machine.release(slot, clock())
         written = self._written.pop(slot, 0)
         if lent and not self.machine.verify_crc:
             # without a checksum nothing proves the next transfer writes every byte it announces, and bytes it
@@ -359,7 +359,7 @@ class SlotReceiver:
         conn._reserved += more
         self._early.pop(slot, None)
         log.debug("%s: slot %d grew to %d bytes for transfer %d", conn.peer, slot, capacity, tid)
-        conn.send_ctrl(self.pool.grown(slot, rkey, capacity, time.monotonic()))
+        conn.send_ctrl(self.pool.grown(slot, rkey, capacity, clock()))
 
     def on_return(self, c: P.Ctrl) -> None:
         """The peer handed a slot back that we asked for: shrink it and grant it again."""

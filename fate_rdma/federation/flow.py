@@ -228,8 +228,9 @@ def _report(rdma: Any, task: FlowTask) -> None:
     """At the end of the task: what crossed the channel, in the task log; then close the endpoint."""
     s = rdma.stats
     log.info("fate-rdma: counters for %s: rdma_transfers=%d rdma_bytes=%d fate_fallbacks=%d rdma_seconds=%.3f "
-             "small_transfers=%d", task.label, s["rdma_transfers"], s["rdma_bytes"], s["fate_fallbacks"],
-             s["rdma_seconds"], s["small_transfers"])
+             "small_transfers=%d holds=%d (longest %.1f s)", task.label, s["rdma_transfers"], s["rdma_bytes"],
+             s["fate_fallbacks"], s["rdma_seconds"], s["small_transfers"], rdma.endpoint.holds,
+             rdma.endpoint.longest_hold_s)
     try:
         rdma.close()
     except Exception:  # the process is ending; the counters are what matters

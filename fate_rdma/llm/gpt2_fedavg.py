@@ -92,8 +92,10 @@ def _rdma_record(ctx) -> dict:
     rdma = getattr(ctx.federation, "fate_rdma", None)
     if rdma is None:
         return {"transport": "fate", "label": "FATE federation", "rdma": None}
-    return {"transport": "fate-rdma", "label": rdma.endpoint.label, "rdma": dict(rdma.stats),
-            "authenticated": rdma.endpoint.secret is not None}
+    ep = rdma.endpoint
+    # holds: stretches in which this process ran no Python (FATE code keeping the GIL), its channel stood still
+    return {"transport": "fate-rdma", "label": ep.label, "rdma": dict(rdma.stats), "authenticated": ep.secret is not None,
+            "holds": {"count": ep.holds, "seconds": round(ep.held_s, 3), "longest_s": round(ep.longest_hold_s, 3)}}
 
 
 def run(ctx) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional
 
+from ... import stalls
 from ...api import CQ, MR, PD, QP, Context
 from ...enums import Access
 from ...errors import EasyVerbsError
@@ -58,6 +59,7 @@ class SoftContext(Context):
         self.same_host, self.same_host_why = ok, why
         self._max_msg_bytes = max_msg_bytes
         self.rnr_timeout_s = rnr_timeout_s
+        stalls.ensure_watching()  # the receive-queue wait counts no time this process was held (stalls.py)
         self.retry_timeout_s = retry_timeout_s
         self._lock = threading.Lock()
         self._hellos = threading.BoundedSemaphore(64)  # data connections being attached at once

@@ -16,6 +16,7 @@ from typing import Any, List, Optional, Tuple
 from ...buffers import address_of
 from ...enums import Access, QPState, WCOpcode, WCStatus
 from ...errors import UsageError
+from ...stalls import clock
 from ...types import WC
 from . import samehost, shm, wire
 from .landing import Landing
@@ -40,10 +41,12 @@ class Responder:
 
     # -- responder ------------------------------------------------------------------------------
     def _take_recv(self) -> Optional[Any]:
-        deadline = time.monotonic() + self.ctx.rnr_timeout_s  # type: ignore[attr-defined]
+        # on the clock without this process's holds: the receive it waits for is posted by a thread of this
+        # process, which a hold (code keeping the GIL) stops as it stops this one
+        deadline = clock() + self.ctx.rnr_timeout_s  # type: ignore[attr-defined]
         with self._cv:
             while not self._recv_q and self._st != QPState.ERR and not self._closing:
-                left = deadline - time.monotonic()
+                left = deadline - clock()
                 if left <= 0:
                     return None
                 self._recv_cv.wait(left)
