@@ -7,11 +7,12 @@ stops the whole process (SIGSTOP, a paused VM), stops them too: nothing is place
 meanwhile. A real NIC places and acknowledges from hardware and does not stop.
 
 A watchdog thread per process sleeps PERIOD_S at a time and notes how late it wakes: lateness beyond
-GRACE_S is a hold. `clock()` is time.monotonic() less every hold so far, including one still under way as
-seen from the thread that asks, so a deadline measured on it counts only time in which this process could
-act: a receive-queue wait or a no-progress deadline does not expire because this process was held. It stays
-continuous and never runs backwards. A peer held in its own process is not seen here: that shows as a peer
-making no progress, and the deadlines for that (fate-rdma's no_progress_timeout_s) must exceed its holds.
+GRACE_S is a hold; so is such a gap seen by any thread that asks the clock (it runs, so the hold is over).
+`clock()` is time.monotonic() less every hold so far, so a deadline measured on it counts only time in
+which this process could act: a receive-queue wait or a no-progress deadline does not expire because this
+process was held. It is continuous and never runs backwards. A peer held in its own process is not seen
+here: that shows as a peer making no progress, and the deadlines for that (fate-rdma's
+no_progress_timeout_s) must exceed its holds.
 
 `subscribe(fn)`: fn(seconds, ended_at_monotonic) after every hold of at least REPORT_S, from the watchdog
 thread (fn must be quick).
@@ -22,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("easypyverbs.stalls")
 
@@ -36,11 +37,12 @@ REPORT_S = 1.0
 class _Watch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pid = -1
+        self._pid = -1  # the process whose watchdog runs (none yet, or gone with a fork)
         self._beat = time.monotonic()
-        self.held_s = 0.0  # holds so far, beyond GRACE_S each
+        self.held_s = 0.0  # holds so far, beyond PERIOD_S + GRACE_S each
         self.longest_s = 0.0
         self.count = 0  # holds of at least REPORT_S
+        self._reports: List[Tuple[float, float]] = []  # (seconds, ended at) not yet told to subscribers
         self._subs: Dict[int, Callable[[float, float], None]] = {}
         self._ids = 0
 
@@ -51,43 +53,45 @@ class _Watch:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            self._pid = os.getpid()
-            self._beat = time.monotonic()
+            self._beat = time.monotonic()  # (holds before it are not known: the clock keeps its offset)
             threading.Thread(target=self._run, name="easypyverbs-stalls", daemon=True).start()
+            self._pid = os.getpid()  # (only once it runs: if it could not start, the next call tries again)
 
-    def _note(self, now: float) -> float:
-        """Account the time since the last beat (under the lock); returns the hold it found, 0 if none."""
+    def _beat_now(self) -> float:
+        """Under the lock: account the time since the last beat (a hold beyond PERIOD_S + GRACE_S), beat, and
+        return the time. Any thread that runs may beat: it proves the process runs now, so the clock moves
+        even if the watchdog is late; a hold is accounted by whichever thread runs first after it."""
+        now = time.monotonic()  # (read under the lock: a stale reading could put the clock back)
         late = now - self._beat - PERIOD_S - GRACE_S
-        if late <= 0:
-            return 0.0
+        if late > 0:
+            self.held_s += late
+            held = late + PERIOD_S + GRACE_S  # (the whole gap, as a person would count it)
+            if held >= REPORT_S:
+                self.count += 1
+                self.longest_s = max(self.longest_s, held)
+                self._reports.append((held, now))
         self._beat = now
-        self.held_s += late
-        return late + GRACE_S  # (what the hold was, as a person would count it)
+        return now
 
     def _run(self) -> None:
         while True:
             time.sleep(PERIOD_S)
-            now = time.monotonic()
             with self._lock:
-                held = self._note(now)
-                self._beat = now
-                if held >= REPORT_S:
-                    self.count += 1
-                    self.longest_s = max(self.longest_s, held)
-                subs = list(self._subs.values()) if held >= REPORT_S else []
-            for fn in subs:
-                try:
-                    fn(held, now)
-                except Exception:  # a subscriber's bug must not end the watchdog
-                    log.exception("stall subscriber failed")
+                self._beat_now()
+                reports, self._reports = self._reports, []
+                subs = list(self._subs.values()) if reports else []
+            for held, ended in reports:
+                for fn in subs:
+                    try:
+                        fn(held, ended)
+                    except Exception:  # a subscriber's bug must not end the watchdog
+                        log.exception("stall subscriber failed")
 
     def clock(self) -> float:
-        now = time.monotonic()
         if self._pid != os.getpid():
-            return now  # (no watchdog here yet: nothing is known about holds)
+            return time.monotonic() - self.held_s  # not watching (yet, or since a fork): no holds are known
         with self._lock:
-            ongoing = max(0.0, now - self._beat - PERIOD_S - GRACE_S)
-            return now - self.held_s - ongoing
+            return self._beat_now() - self.held_s
 
     def subscribe(self, fn: Callable[[float, float], None]) -> int:
         self.ensure()
@@ -100,11 +104,12 @@ class _Watch:
         with self._lock:
             self._subs.pop(token, None)
 
-
     def after_fork_in_child(self) -> None:
-        """Threads do not survive a fork, and the lock may have been held by one: start over (not watching)."""
+        """Threads do not survive a fork, and the lock may have been taken by one: start over, not watching,
+        with no subscribers (the parent's objects are not this process's); the clock keeps its offset."""
         self._lock = threading.Lock()
         self._pid = -1
+        self._subs, self._reports, self.count, self.longest_s = {}, [], 0, 0.0
 
 
 _watch = _Watch()

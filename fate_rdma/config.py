@@ -35,6 +35,10 @@ def _tls_files_problem(cert: Optional[str], key: Optional[str], ca: Optional[str
     return None
 
 
+#: no_progress_timeout_s unless set (30 s until 2026-11-27; see ChannelConfig)
+NO_PROGRESS_DEFAULT_S = 120.0
+
+
 @dataclasses.dataclass(frozen=True)
 class ChannelConfig:
     #: "fedrdma-e" (receive-slot pool, zero copy) or "fedrdma" (staging + reassembly)
@@ -92,7 +96,7 @@ class ChannelConfig:
     #: that keeps its process's GIL (FATE's secure aggregation sums a client's model in one call: ~9 s for
     #: GPT-2 small on a 2-core VM, more for larger models) stops its channel meanwhile (easypyverbs.stalls;
     #: the held process logs each hold). A peer that is gone ends the transfer at once, whatever this says
-    no_progress_timeout_s: float = 120.0
+    no_progress_timeout_s: float = NO_PROGRESS_DEFAULT_S
     transfer_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     #: verbs provider: "auto", "pyverbs" or "soft"; device name for pyverbs
@@ -174,7 +178,10 @@ class ChannelConfig:
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive")
         if self.no_progress_timeout_s > self.transfer_timeout_s:
-            bad("no_progress_timeout_s exceeds transfer_timeout_s")
+            if self.no_progress_timeout_s != NO_PROGRESS_DEFAULT_S:
+                bad("no_progress_timeout_s exceeds transfer_timeout_s")
+            # the default under a shorter total (a configuration written when the default was 30 s): the total
+            object.__setattr__(self, "no_progress_timeout_s", float(self.transfer_timeout_s))
         if self.provider not in ("auto", "pyverbs", "soft"):
             bad(f"provider must be auto, pyverbs or soft, got {self.provider!r}")
         if self.soft_link and self.provider == "pyverbs":

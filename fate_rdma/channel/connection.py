@@ -395,8 +395,9 @@ class Connection:
 
     # -- time -----------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:
-        if self.probe.overdue(now, self.cfg.connect_timeout_s):
-            raise PeerUnreachable(f"{self.peer} did not answer the RTT probe within {self.cfg.connect_timeout_s} s")
+        wait = max(self.cfg.connect_timeout_s, self.cfg.no_progress_timeout_s)  # (a connected peer may be held)
+        if self.probe.overdue(now, wait):
+            raise PeerUnreachable(f"{self.peer} did not answer the RTT probe within {wait:g} s")
         if bootstrap_closed(self.boot):
             raise PeerUnreachable(f"{self.peer} closed its end of the connection (its process or endpoint ended)")
         a = self._active
