@@ -8,7 +8,6 @@ against this side's deadline: its no_progress_timeout_s must exceed that (the so
 timeouts follow it)."""
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 
@@ -17,14 +16,11 @@ import numpy as np
 import pytest
 
 from easypyverbs import stalls
+from fate_rdma.bench.transfer_peer import hold_gil
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
 
 from .test_channel import Peer, cfg_for
-
-
-def hold_gil(seconds: float) -> None:
-    ctypes.PyDLL(None).usleep(int(seconds * 1e6))  # PyDLL: the GIL stays held through the call
 
 
 def test_the_clock_leaves_out_a_hold_and_reports_it():

@@ -85,9 +85,9 @@ def _grpc_server(counter: _Counter) -> Any:
     return server, port
 
 
-def _hold(after_s: float, seconds: float) -> None:
-    """Keep the GIL for `seconds`, `after_s` from now: a PyDLL call does not release it, as native code that
-    holds it (FATE's secure aggregation) does not."""
+def hold_gil(seconds: float, after_s: float = 0.0) -> None:
+    """Keep this process's GIL for `seconds`, `after_s` from now: a PyDLL call does not release it, as native
+    code that holds it (FATE's secure aggregation) does not (tests of easypyverbs.stalls)."""
     import ctypes
     import time
 
@@ -162,7 +162,7 @@ def serve(host: str, port: int) -> int:
                            "holds": ep.holds if ep is not None else 0,
                            "longest_hold_s": ep.longest_hold_s if ep is not None else 0.0})
             elif op == "hold":
-                threading.Thread(target=_hold, args=(float(cmd["after_s"]), float(cmd["seconds"])), daemon=True).start()
+                threading.Thread(target=hold_gil, args=(float(cmd["seconds"]), float(cmd["after_s"])), daemon=True).start()
                 conn.send({"ok": True})
             elif op == "send":  # this endpoint sends to `address` (as the victim answering a party)
                 try:

@@ -57,8 +57,8 @@ class _Deadlines:
     def check(self, now: float, tid: int) -> None:
         if now - self.last_progress > self.no_progress_s:
             raise TransferTimeout(f"transfer {tid}: no progress for {now - self.last_progress:.1f} s "
-                                  f"(limit {self.no_progress_s:g} s): the peer is gone or stuck, or its process "
-                                  f"was held that long (code keeping its GIL; its log says so): raise "
+                                  f"(limit {self.no_progress_s:g} s): the peer is stuck, or its process was held "
+                                  f"that long (code keeping its GIL; its log says so): raise "
                                   f"no_progress_timeout_s above its holds", tid)
         if now - self.start > self.total_s:
             raise TransferTimeout(f"transfer {tid}: not done after {now - self.start:.1f} s (limit {self.total_s:g} s)", tid)
