@@ -3,16 +3,28 @@
 Frames: `!4sBBHI` header (magic b"EPVB", version 1, kind 1 = JSON, reserved, body length) then a
 UTF-8 JSON object of at most `MAX_BODY_BYTES`. Anything else is a `BootstrapError` naming the
 problem; nothing waits without a deadline.
+
+Deadlines run on easypyverbs.stalls' clock, so a hold of this process (native code keeping the GIL)
+does not count against them. A hold of the *peer* would: its kernel completes our connect and takes
+our bytes, but nothing answers until its Python runs again. A connection given `wait_patiently(s)`
+(fate-rdma gives it to the peers it dialed, and to authenticated ones) therefore waits past a read's
+deadline, up to `s` in all, for as long as the peer's host has acknowledged every byte sent to it
+(Linux TCP_INFO: established, nothing unacknowledged), and says so in the log once. A peer whose host
+is gone, or that closed, still fails at the read's own deadline.
 """
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from . import stalls
 from .errors import BootstrapError
+
+log = logging.getLogger("easypyverbs.bootstrap")
 
 HEADER = struct.Struct("!4sBBHI")
 MAGIC = b"EPVB"
@@ -22,25 +34,19 @@ KIND_JSON = 1
 MAX_BODY_BYTES = 1 << 20
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    pos = 0
-    while pos < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise BootstrapError(f"timed out waiting for {what} ({pos} of {n} bytes)")
-        sock.settimeout(left)
-        try:
-            got = sock.recv_into(view[pos:], n - pos)
-        except socket.timeout:
-            continue
-        except OSError as exc:
-            raise BootstrapError(f"connection lost while reading {what}: {exc}", exc.errno) from exc
-        if got == 0:
-            raise BootstrapError(f"peer closed the bootstrap connection while sending {what} ({pos} of {n} bytes)")
-        pos += got
-    return bytes(buf)
+#: struct tcp_info (linux/tcp.h): tcpi_state is its first byte, tcpi_unacked the u32 at offset 24
+_TCP_ESTABLISHED, _TCPI_UNACKED = 1, 24
+
+
+def peer_took_everything(sock: socket.socket) -> bool:
+    """Whether the TCP connection is established and the peer's kernel acknowledged every byte sent on it:
+    the peer's host is up and its socket open, whatever its process does (False where unknown)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (OSError, AttributeError, ValueError):
+        return False
+    return len(info) >= _TCPI_UNACKED + 4 and info[0] == _TCP_ESTABLISHED and \
+        struct.unpack_from("I", info, _TCPI_UNACKED)[0] == 0
 
 
 class BootstrapConn:
@@ -53,6 +59,14 @@ class BootstrapConn:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.peer: Tuple[str, int] = peer or sock.getpeername()[:2]
         self.local: Tuple[str, int] = sock.getsockname()[:2]
+        self.patience_s = 0.0
+        self._patience_why = ""
+        self._told = False
+
+    def wait_patiently(self, seconds: float, why: str = "") -> None:
+        """Let each read wait up to `seconds` in all while the peer's host keeps acknowledging what this side
+        sent (a held peer process; see the module's doc). `why` names the setting, for the log."""
+        self.patience_s, self._patience_why = float(seconds), why
 
     def send(self, obj: Dict[str, Any], timeout_s: float = 10.0) -> None:
         body = json.dumps(obj, separators=(",", ":")).encode()
@@ -65,8 +79,8 @@ class BootstrapConn:
             raise BootstrapError(f"cannot send to bootstrap peer {self.peer}: {exc}", exc.errno) from exc
 
     def recv(self, timeout_s: float = 10.0) -> Dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        magic, version, kind, _, length = HEADER.unpack(_recv_exact(self.sock, HEADER.size, deadline, "bootstrap header"))
+        start = stalls.clock()
+        magic, version, kind, _, length = HEADER.unpack(self._recv_exact(HEADER.size, start, timeout_s, "bootstrap header"))
         if magic != MAGIC and magic[:1] == b"\x16":  # a TLS handshake record
             raise BootstrapError(f"bootstrap peer {self.peer} speaks TLS (it sent a TLS ClientHello); this side "
                                  f"does not: TLS is on there and off here")
@@ -76,7 +90,7 @@ class BootstrapConn:
             raise BootstrapError(f"bootstrap peer {self.peer} speaks version {version}/kind {kind}; this side speaks {VERSION}/{KIND_JSON}")
         if length > MAX_BODY_BYTES:
             raise BootstrapError(f"bootstrap peer {self.peer} announced {length} bytes, more than {MAX_BODY_BYTES}")
-        body = _recv_exact(self.sock, length, deadline, "bootstrap body")
+        body = self._recv_exact(length, start, timeout_s, "bootstrap body")
         try:
             obj = json.loads(body)
         except ValueError as exc:
@@ -84,6 +98,43 @@ class BootstrapConn:
         if not isinstance(obj, dict):
             raise BootstrapError(f"bootstrap peer {self.peer} sent {type(obj).__name__}, expected an object")
         return obj
+
+    def _recv_exact(self, n: int, start: float, timeout_s: float, what: str) -> bytes:
+        """`n` bytes within `timeout_s` of `start` (stalls' clock), or within `patience_s` while the peer's host
+        acknowledges everything this side sent (re-checked at least each half second)."""
+        deadline = start + timeout_s
+        last = start + max(timeout_s, self.patience_s)
+        buf = bytearray(n)
+        view = memoryview(buf)
+        pos = 0
+        while pos < n:
+            now = stalls.clock()
+            if now >= deadline:
+                if now >= last or not peer_took_everything(self.sock):
+                    why = (f"; its host took all this side sent, but its process did not answer within "
+                           f"{self.patience_s:g} s ({self._patience_why or 'patience'}): held that long, or stuck"
+                           if now >= last > start + timeout_s else "")
+                    raise BootstrapError(f"timed out waiting for {what} from {self.peer[0]}:{self.peer[1]} "
+                                         f"({pos} of {n} bytes){why}")
+                if not self._told:
+                    self._told = True
+                    log.warning("bootstrap peer %s:%s has not answered for %.1f s, but its host acknowledged all this "
+                                "side sent: its process may be held (native code keeping Python's GIL); waiting up "
+                                "to %g s in all%s", self.peer[0], self.peer[1], now - start, self.patience_s,
+                                f" ({self._patience_why})" if self._patience_why else "")
+                deadline = min(last, now + max(timeout_s, 0.5))
+                continue
+            self.sock.settimeout(deadline - now)
+            try:
+                got = self.sock.recv_into(view[pos:], n - pos)
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                raise BootstrapError(f"connection lost while reading {what}: {exc}", exc.errno) from exc
+            if got == 0:
+                raise BootstrapError(f"peer closed the bootstrap connection while sending {what} ({pos} of {n} bytes)")
+            pos += got
+        return bytes(buf)
 
     def exchange(self, obj: Dict[str, Any], timeout_s: float = 10.0) -> Dict[str, Any]:
         """Send ours, receive theirs (both sides may call it at once)."""

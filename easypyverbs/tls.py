@@ -10,12 +10,18 @@ handshake, where a bootstrap socket looks for its peer's end of file).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import select
 import socket
 import ssl
 import threading
 import time
 from typing import Any, List, Optional, Sequence
+
+from . import stalls
+from .bootstrap import peer_took_everything
+
+log = logging.getLogger("easypyverbs.tls")
 
 #: first byte of a TLS connection (a handshake record carrying the ClientHello)
 TLS_RECORD_HANDSHAKE = b"\x16"
@@ -70,12 +76,15 @@ def first_byte(sock: socket.socket, timeout_s: float) -> bytes:
         raise TimeoutError(f"peer sent nothing within {timeout_s:.1f} s") from exc
 
 
-def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, timeout_s: float) -> ssl.SSLSocket:
+def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, timeout_s: float,
+              patience_s: float = 0.0) -> ssl.SSLSocket:
     """Wrap `sock` (which the returned socket then owns) and run the TLS handshake within `timeout_s` in
-    all: a peer that trickles bytes cannot stretch it. Closes the socket and raises on failure
-    (ssl.SSLError, ssl.SSLCertVerificationError, TimeoutError, OSError). The socket is left
-    non-blocking."""
-    deadline = time.monotonic() + timeout_s
+    all: a peer that trickles bytes cannot stretch it. `patience_s` (a dialer's): wait up to that long in
+    all while the peer's host acknowledges everything sent to it (a held peer process, as in
+    bootstrap.BootstrapConn.wait_patiently). Closes the socket and raises on failure (ssl.SSLError,
+    ssl.SSLCertVerificationError, TimeoutError, OSError). The socket is left non-blocking."""
+    start = stalls.clock()
+    deadline, last = start + timeout_s, start + max(timeout_s, patience_s)
     sock.setblocking(False)
     ssock = context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
     try:
@@ -87,15 +96,31 @@ def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, t
                 events = select.POLLIN
             except ssl.SSLWantWriteError:
                 events = select.POLLOUT
-            left = deadline - time.monotonic()
+            left = deadline - stalls.clock()
+            if left <= 0 and deadline < last and peer_took_everything(ssock):
+                if deadline == start + timeout_s:
+                    log.warning("TLS peer %s has not answered for %.1f s, but its host acknowledged all this side "
+                                "sent: its process may be held; waiting up to %g s in all", _peer_of(ssock),
+                                timeout_s, patience_s)
+                deadline = min(last, deadline + max(timeout_s, 0.5))
+                continue
             if left <= 0:
-                raise TimeoutError(f"TLS handshake not done within {timeout_s:.1f} s")
+                raise TimeoutError(f"TLS handshake not done within {timeout_s:.1f} s" + (
+                    f" (nor {patience_s:g} s while the peer's host acknowledged everything: its process is held "
+                    f"or stuck)" if deadline >= last > start + timeout_s else ""))
             p = select.poll()
             p.register(ssock.fileno(), events)
             p.poll(left * 1000)
     except BaseException:
         ssock.close()
         raise
+
+
+def _peer_of(sock: socket.socket) -> str:
+    try:
+        return "%s:%s" % tuple(sock.getpeername()[:2])
+    except OSError:
+        return "(gone)"
 
 
 def _poller(fd: int, events: int) -> Any:

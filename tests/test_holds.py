@@ -8,6 +8,9 @@ against this side's deadline: its no_progress_timeout_s must exceed that (the so
 timeouts follow it)."""
 from __future__ import annotations
 
+import logging
+import shutil
+import socket
 import threading
 import time
 
@@ -16,11 +19,14 @@ import numpy as np
 import pytest
 
 from easypyverbs import stalls
+from fate_rdma.bench.driver import PeerProcess
 from fate_rdma.bench.transfer_peer import hold_gil
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
+from fate_rdma.errors import PeerUnreachable
 
 from .test_channel import Peer, cfg_for
+from .test_tls import cfg as tls_cfg, pki  # noqa: F401  (pki: the module-scoped certificate fixture)
 
 
 def test_the_clock_leaves_out_a_hold_and_reports_it():
@@ -121,3 +127,93 @@ def test_a_held_receiver_keeps_the_transfer_it_was_receiving(mode):
     finally:
         ep.close()
         peer.close()
+
+
+@pytest.mark.parametrize("auth", ["none", "secret", "tls"])
+def test_a_peer_held_while_this_side_dials_it_is_waited_for(auth, request):
+    """The peer's process is held (2.5 s) when this side first dials it, longer than this side's
+    connect_timeout_s (1 s): its kernel takes the connection and the hello, but nothing answers until it
+    runs again. Before, the dial failed at connect_timeout_s ("timed out waiting for bootstrap header");
+    now, while the peer's host acknowledges what this side sent, the handshake waits for it as a transfer
+    waits for a held peer (up to no_progress_timeout_s), says so once in the log, and the send arrives.
+    With TLS the held peer is met in the TLS handshake itself."""
+    kw = dict(connect_timeout_s=1.0, no_progress_timeout_s=20)
+    names = {}
+    if auth == "none":
+        peer_cfg, my_cfg = cfg_for("fedrdma-e", "soft-tcp", **kw), cfg_for("fedrdma-e", "soft-tcp", **kw)
+    else:
+        if shutil.which("openssl") is None:
+            pytest.skip("the openssl command line tool is not installed")
+        certs = request.getfixturevalue("pki")
+        party = (lambda p: p) if auth == "tls" else (lambda p: None)
+        peer_cfg, my_cfg = tls_cfg(certs, party("host:10000"), **kw), tls_cfg(certs, party("guest:9999"), **kw)
+    peer = PeerProcess(module="fate_rdma.bench.transfer_peer")
+    try:
+        cmd = {"cmd": "endpoint", "config": dict(peer_cfg.__dict__), "record": True}
+        if auth != "none":
+            cmd["allowed_peers"] = ["guest:9999"]
+        addr = peer.cmd(cmd)["address"]
+        if auth == "tls":
+            names = {addr: "host:10000"}
+        with Endpoint(my_cfg, name="guest:9999" if auth != "none" else None, party_names=names) as ep:
+            peer.cmd({"cmd": "hold", "seconds": 2.5, "after_s": 0.3})
+            time.sleep(0.6)  # the hold has begun
+            with _capture("easypyverbs") as logged:
+                t0 = time.monotonic()
+                ep.send(addr, b"x" * 1000, {"n": 1}).result(30)
+                took = time.monotonic() - t0
+            rec = peer.cmd({"cmd": "expect", "count": 1, "timeout_s": 30})["records"][-1]
+            assert rec["nbytes"] == 1000 and rec["metadata"] == {"n": 1}
+            assert took > 1.2, f"the peer was not held while this side dialed it ({took:.2f} s)"
+            assert any("has not answered for" in m and "may be held" in m for m in logged), logged
+    finally:
+        peer.close()
+
+
+def test_a_listener_that_never_answers_fails_at_no_progress_not_never():
+    """A socket that listens but never accepts (a stuck process: its kernel completes the connect and takes the
+    hello, as for a held one) fails the dial once no_progress_timeout_s has passed, naming why."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    try:
+        cfg = cfg_for("fedrdma-e", "soft-tcp", connect_timeout_s=0.5, no_progress_timeout_s=2.0)
+        with Endpoint(cfg) as ep:
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnreachable, match=r"did not answer within 2 s \(no_progress_timeout_s\)"):
+                ep.connect("127.0.0.1:%d" % srv.getsockname()[1])
+            assert 1.9 < time.monotonic() - t0 < 10
+    finally:
+        srv.close()
+
+
+def test_peer_took_everything_reads_the_kernel():
+    """Established with everything acknowledged: True; the peer closed (CLOSE_WAIT here): False."""
+    from easypyverbs.bootstrap import peer_took_everything
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname()[:2])
+    b, _ = srv.accept()
+    try:
+        a.sendall(b"hello")
+        time.sleep(0.1)
+        assert peer_took_everything(a)
+        b.close()
+        time.sleep(0.1)
+        assert not peer_took_everything(a)
+    finally:
+        a.close()
+        srv.close()
+
+
+class _capture:
+    """Messages logged under `name` while the block runs."""
+
+    def __init__(self, name: str) -> None:
+        self.logger, self.messages = logging.getLogger(name), []
+        self.handler = logging.Handler(logging.DEBUG)
+        self.handler.emit = lambda rec: self.messages.append(rec.getMessage())  # type: ignore[assignment]
+
+    def __enter__(self) -> list:
+        self.logger.addHandler(self.handler)
+        return self.messages
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)

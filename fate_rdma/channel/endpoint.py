@@ -129,6 +129,12 @@ class Endpoint:
         return self.ctx.label
 
     @property
+    def _patience_s(self) -> float:
+        """How long a handshake waits for a peer whose host took the connection but whose process does not
+        answer (held): as long as a transfer waits for a held peer."""
+        return max(self.config.connect_timeout_s, self.config.no_progress_timeout_s)
+
+    @property
     def same_host_capable(self) -> bool:
         """Can this endpoint's payloads reach a peer on this host by the soft provider's same-host path? Then a
         send source allocated with `shared=True` (channel.buffers.fresh) is read through a mapping of it."""
@@ -174,6 +180,8 @@ class Endpoint:
                 who = self.tls.bind(who, claimed)
             if allowed is not None and who.name not in allowed:  # unauthenticated (loopback) peers too
                 raise AuthenticationError(f"{who.name!r} is not a party of this endpoint's federation")
+            if who.authenticated:  # a proven party may be held mid-handshake as in a transfer (never a stranger)
+                boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
             conn = Connection(self, boot, dialer=False, identity=who)
         except Exception as exc:
             self.refused += 1
@@ -221,9 +229,13 @@ class Endpoint:
                     boot = ev.connect(host, int(port), timeout_s=max(0.1, deadline - time.monotonic()))
                 except (ev.EasyVerbsError, OSError, ValueError) as exc:
                     raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+                # the peer's kernel took the connection; its process may be held (a long native call keeping
+                # its GIL): while its host acknowledges what we send, wait for it as for a held peer in a transfer
+                boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
                 try:
                     if self.tls is not None:  # TLS first; the peer's certificate must name the party at `address`
-                        boot = self.tls.dial(boot, address, self.name, max(0.1, deadline - time.monotonic()))
+                        boot = self.tls.dial(boot, address, self.name, max(0.1, deadline - time.monotonic()),
+                                             self._patience_s)
                     who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
                     if self.tls is not None:
                         who = self.tls.bind(who, None)

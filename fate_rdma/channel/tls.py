@@ -143,13 +143,15 @@ class ChannelTLS:
             raise
 
     # -- dialer ---------------------------------------------------------------------------------
-    def dial(self, boot: ev.BootstrapConn, address: str, me: str, timeout_s: float) -> ev.BootstrapConn:
+    def dial(self, boot: ev.BootstrapConn, address: str, me: str, timeout_s: float,
+             patience_s: float = 0.0) -> ev.BootstrapConn:
         """TLS on a connection this side made to `address`; the peer's certificate must name the party at
         `address`. A peer that closes during the handshake (at its cap of pending handshakes) gives a
-        BootstrapError saying "closed", which the endpoint retries."""
+        BootstrapError saying "closed", which the endpoint retries. `patience_s`: as
+        BootstrapConn.wait_patiently (a held peer; the returned connection keeps it)."""
         deadline = time.monotonic() + timeout_s
         try:
-            ssock = handshake(boot.sock, self.contexts.client, False, timeout_s)
+            ssock = handshake(boot.sock, self.contexts.client, False, timeout_s, patience_s)
         except ssl.SSLCertVerificationError as exc:
             raise AuthenticationError(f"the endpoint at {address} presented a certificate that this site's tls_ca "
                                       f"does not trust ({exc.verify_message})") from exc
@@ -167,6 +169,7 @@ class ChannelTLS:
         except OSError:
             ssock.close()
             raise
+        tboot.wait_patiently(patience_s, "no_progress_timeout_s")
         try:
             names, party = cert_names(ssock), self.party_of(address)
             if party not in names:
