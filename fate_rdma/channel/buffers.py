@@ -79,7 +79,7 @@ def clear(buf: Any) -> None:
 #: tens of pieces of 24-576 KiB (float64, ranks 4-32), and the arbiter's copy of a rank-4 average (1.1 MiB,
 #: 24 tensors) took 0.9-1.4 ms inside a `bench fate` round against 0.1 ms alone. Held, a piece this size
 #: blocks the other threads for at most ~0.1 ms (a memcpy at ~10 GB/s), far below the 5 ms switch interval.
-#: Measured (README, "Small copies hold the GIL"): in 18 alternated `bench fate` runs the median round went
+#: Measured (docs/FIGURES.md, "Small copies hold the GIL"): in 18 alternated `bench fate` runs the median round went
 #: from 15.3 to 13.3 ms at LoRA rank 4, 18.5 to 17.7 at rank 8, 25.8 to 23.3 at rank 16 (shorter in 13 pairs).
 GIL_COPY_BYTES = 1 << 20
 
