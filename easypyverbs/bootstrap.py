@@ -7,10 +7,13 @@ problem; nothing waits without a deadline.
 Deadlines run on easypyverbs.stalls' clock, so a hold of this process (native code keeping the GIL)
 does not count against them. A hold of the *peer* would: its kernel completes our connect and takes
 our bytes, but nothing answers until its Python runs again. A connection given `wait_patiently(s)`
-(fate-rdma gives it to the peers it dialed, and to authenticated ones) therefore waits past a read's
-deadline, up to `s` in all, for as long as the peer's host has acknowledged every byte sent to it
-(Linux TCP_INFO: established, nothing unacknowledged), and says so in the log once. A peer whose host
-is gone, or that closed, still fails at the read's own deadline.
+(fate-rdma gives it to the peers it dialed, and to authenticated ones) therefore lets a read whose
+deadline has passed wait on, until `s` seconds after that call (one window for the whole handshake,
+not one per read), for as long as the peer's host has acknowledged every byte sent to it (Linux
+TCP_INFO: established, nothing unacknowledged; first looked at no sooner than 0.5 s into the read,
+so an ACK still on its way is not taken for a dead host), and says so in the log once. A peer that
+closed, or whose host stopped acknowledging, still fails at the read's own deadline; a host that
+vanishes after acknowledging everything is not noticed before the window ends (no keepalive runs here).
 """
 from __future__ import annotations
 
@@ -59,14 +62,21 @@ class BootstrapConn:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.peer: Tuple[str, int] = peer or sock.getpeername()[:2]
         self.local: Tuple[str, int] = sock.getsockname()[:2]
-        self.patience_s = 0.0
-        self._patience_why = ""
-        self._told = False
+        self.patience_s = 0.0  # the window wait_patiently gave, and when it ends (stalls' clock)
+        self.patient_until = 0.0
+        self.patience_why = ""
+        self.told = False  # (the one log line about a silent peer was written)
 
     def wait_patiently(self, seconds: float, why: str = "") -> None:
-        """Let each read wait up to `seconds` in all while the peer's host keeps acknowledging what this side
-        sent (a held peer process; see the module's doc). `why` names the setting, for the log."""
-        self.patience_s, self._patience_why = float(seconds), why
+        """Let reads past their deadline wait until `seconds` from now while the peer's host keeps
+        acknowledging what this side sent (a held peer process; see the module's doc). `why` names the
+        setting, for the log and the error."""
+        self.patience_s, self.patient_until, self.patience_why = float(seconds), stalls.clock() + seconds, why
+
+    def keep_patience_of(self, other: "BootstrapConn") -> None:
+        """Carry `other`'s window (and whether it already logged) to this connection that wraps its socket."""
+        self.patience_s, self.patient_until, self.patience_why = other.patience_s, other.patient_until, other.patience_why
+        self.told = other.told
 
     def send(self, obj: Dict[str, Any], timeout_s: float = 10.0) -> None:
         body = json.dumps(obj, separators=(",", ":")).encode()
@@ -100,10 +110,12 @@ class BootstrapConn:
         return obj
 
     def _recv_exact(self, n: int, start: float, timeout_s: float, what: str) -> bytes:
-        """`n` bytes within `timeout_s` of `start` (stalls' clock), or within `patience_s` while the peer's host
-        acknowledges everything this side sent (re-checked at least each half second)."""
+        """`n` bytes within `timeout_s` of `start` (stalls' clock), or, past that, until the patience window
+        ends while the peer's host acknowledges everything this side sent (re-checked each half second)."""
         deadline = start + timeout_s
-        last = start + max(timeout_s, self.patience_s)
+        last = max(deadline, self.patient_until)
+        if last > deadline:  # the kernel's view is not read before an ACK of what was just sent can be here
+            deadline = max(deadline, start + min(0.5, last - start))
         buf = bytearray(n)
         view = memoryview(buf)
         pos = 0
@@ -112,17 +124,17 @@ class BootstrapConn:
             if now >= deadline:
                 if now >= last or not peer_took_everything(self.sock):
                     why = (f"; its host took all this side sent, but its process did not answer within "
-                           f"{self.patience_s:g} s ({self._patience_why or 'patience'}): held that long, or stuck"
+                           f"{self.patience_s:g} s ({self.patience_why or 'patience'}): held that long, or stuck"
                            if now >= last > start + timeout_s else "")
                     raise BootstrapError(f"timed out waiting for {what} from {self.peer[0]}:{self.peer[1]} "
                                          f"({pos} of {n} bytes){why}")
-                if not self._told:
-                    self._told = True
+                if not self.told:
+                    self.told = True
                     log.warning("bootstrap peer %s:%s has not answered for %.1f s, but its host acknowledged all this "
                                 "side sent: its process may be held (native code keeping Python's GIL); waiting up "
-                                "to %g s in all%s", self.peer[0], self.peer[1], now - start, self.patience_s,
-                                f" ({self._patience_why})" if self._patience_why else "")
-                deadline = min(last, now + max(timeout_s, 0.5))
+                                "to %.0f s more%s", self.peer[0], self.peer[1], now - start, last - now,
+                                f" ({self.patience_why})" if self.patience_why else "")
+                deadline = min(last, now + 0.5)
                 continue
             self.sock.settimeout(deadline - now)
             try:

@@ -77,14 +77,18 @@ def first_byte(sock: socket.socket, timeout_s: float) -> bytes:
 
 
 def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, timeout_s: float,
-              patience_s: float = 0.0) -> ssl.SSLSocket:
+              patient_until: float = 0.0) -> ssl.SSLSocket:
     """Wrap `sock` (which the returned socket then owns) and run the TLS handshake within `timeout_s` in
-    all: a peer that trickles bytes cannot stretch it. `patience_s` (a dialer's): wait up to that long in
-    all while the peer's host acknowledges everything sent to it (a held peer process, as in
-    bootstrap.BootstrapConn.wait_patiently). Closes the socket and raises on failure (ssl.SSLError,
-    ssl.SSLCertVerificationError, TimeoutError, OSError). The socket is left non-blocking."""
+    all: a peer that trickles bytes cannot stretch it. `patient_until` (a dialer's; stalls' clock): past
+    `timeout_s`, wait on until then while the peer's host acknowledges everything sent to it (a held peer
+    process, as bootstrap.BootstrapConn.wait_patiently). Closes the socket and raises on failure
+    (ssl.SSLError, ssl.SSLCertVerificationError, TimeoutError, OSError). The socket is left non-blocking."""
     start = stalls.clock()
-    deadline, last = start + timeout_s, start + max(timeout_s, patience_s)
+    deadline = start + timeout_s
+    last = max(deadline, patient_until)
+    if last > deadline:  # (as bootstrap: an ACK still on its way is not a dead host)
+        deadline = max(deadline, start + min(0.5, last - start))
+    told = False
     sock.setblocking(False)
     ssock = context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
     try:
@@ -96,18 +100,20 @@ def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, t
                 events = select.POLLIN
             except ssl.SSLWantWriteError:
                 events = select.POLLOUT
-            left = deadline - stalls.clock()
-            if left <= 0 and deadline < last and peer_took_everything(ssock):
-                if deadline == start + timeout_s:
+            now = stalls.clock()
+            left = deadline - now
+            if left <= 0 and now < last and peer_took_everything(ssock):
+                if not told:
+                    told = True
                     log.warning("TLS peer %s has not answered for %.1f s, but its host acknowledged all this side "
-                                "sent: its process may be held; waiting up to %g s in all", _peer_of(ssock),
-                                timeout_s, patience_s)
-                deadline = min(last, deadline + max(timeout_s, 0.5))
+                                "sent: its process may be held; waiting up to %.0f s more", _peer_of(ssock),
+                                now - start, last - now)
+                deadline = min(last, now + 0.5)
                 continue
             if left <= 0:
                 raise TimeoutError(f"TLS handshake not done within {timeout_s:.1f} s" + (
-                    f" (nor {patience_s:g} s while the peer's host acknowledged everything: its process is held "
-                    f"or stuck)" if deadline >= last > start + timeout_s else ""))
+                    f" (nor {now - start:.0f} s while the peer's host acknowledged everything: its process is held "
+                    f"or stuck)" if told else ""))
             p = select.poll()
             p.register(ssock.fileno(), events)
             p.poll(left * 1000)

@@ -18,10 +18,12 @@ import crc32c
 import numpy as np
 import pytest
 
+import easypyverbs as ev
 from easypyverbs import stalls
 from fate_rdma.bench.driver import PeerProcess
 from fate_rdma.bench.transfer_peer import hold_gil
 from fate_rdma.channel import Endpoint
+from fate_rdma.channel.auth import write_secret
 from fate_rdma.config import ChannelConfig
 from fate_rdma.errors import PeerUnreachable
 
@@ -130,44 +132,74 @@ def test_a_held_receiver_keeps_the_transfer_it_was_receiving(mode):
 
 
 @pytest.mark.parametrize("auth", ["none", "secret", "tls"])
-def test_a_peer_held_while_this_side_dials_it_is_waited_for(auth, request):
-    """The peer's process is held (2.5 s) when this side first dials it, longer than this side's
+def test_a_peer_held_while_this_side_dials_it_is_waited_for(auth, request, tmp_path):
+    """The peer's process is held (3.5 s) when this side first dials it, longer than this side's
     connect_timeout_s (1 s): its kernel takes the connection and the hello, but nothing answers until it
     runs again. Before, the dial failed at connect_timeout_s ("timed out waiting for bootstrap header");
     now, while the peer's host acknowledges what this side sent, the handshake waits for it as a transfer
     waits for a held peer (up to no_progress_timeout_s), says so once in the log, and the send arrives.
     With TLS the held peer is met in the TLS handshake itself."""
     kw = dict(connect_timeout_s=1.0, no_progress_timeout_s=20)
-    names = {}
+    names, allowed = {}, None
     if auth == "none":
         peer_cfg, my_cfg = cfg_for("fedrdma-e", "soft-tcp", **kw), cfg_for("fedrdma-e", "soft-tcp", **kw)
+    elif auth == "secret":
+        secret = str(tmp_path / "federation.secret")
+        write_secret(secret)
+        peer_cfg = my_cfg = cfg_for("fedrdma-e", "soft-tcp", secret_file=secret, **kw)
+        allowed = ["guest:9999"]
     else:
         if shutil.which("openssl") is None:
             pytest.skip("the openssl command line tool is not installed")
         certs = request.getfixturevalue("pki")
-        party = (lambda p: p) if auth == "tls" else (lambda p: None)
-        peer_cfg, my_cfg = tls_cfg(certs, party("host:10000"), **kw), tls_cfg(certs, party("guest:9999"), **kw)
+        peer_cfg, my_cfg = tls_cfg(certs, "host:10000", **kw), tls_cfg(certs, "guest:9999", **kw)
+        allowed = ["guest:9999"]
     peer = PeerProcess(module="fate_rdma.bench.transfer_peer")
     try:
         cmd = {"cmd": "endpoint", "config": dict(peer_cfg.__dict__), "record": True}
-        if auth != "none":
-            cmd["allowed_peers"] = ["guest:9999"]
+        if allowed:
+            cmd["allowed_peers"] = allowed
         addr = peer.cmd(cmd)["address"]
         if auth == "tls":
             names = {addr: "host:10000"}
-        with Endpoint(my_cfg, name="guest:9999" if auth != "none" else None, party_names=names) as ep:
-            peer.cmd({"cmd": "hold", "seconds": 2.5, "after_s": 0.3})
-            time.sleep(0.6)  # the hold has begun
+        with Endpoint(my_cfg, name="guest:9999" if allowed else None, party_names=names) as ep:
+            peer.cmd({"cmd": "hold", "seconds": 3.5, "after_s": 0.2})
+            time.sleep(1.0)  # the hold has begun (it ends 2.7 s from now)
             with _capture("easypyverbs") as logged:
                 t0 = time.monotonic()
                 ep.send(addr, b"x" * 1000, {"n": 1}).result(30)
                 took = time.monotonic() - t0
             rec = peer.cmd({"cmd": "expect", "count": 1, "timeout_s": 30})["records"][-1]
             assert rec["nbytes"] == 1000 and rec["metadata"] == {"n": 1}
-            assert took > 1.2, f"the peer was not held while this side dialed it ({took:.2f} s)"
-            assert any("has not answered for" in m and "may be held" in m for m in logged), logged
+            assert took > 1.0, f"the peer was not held past this side's connect_timeout_s ({took:.2f} s)"
+            assert sum("has not answered for" in m and "may be held" in m for m in logged) == 1, logged
     finally:
         peer.close()
+
+
+def test_a_stranger_silent_mid_handshake_still_gets_connect_timeout(tmp_path):
+    """The patience is for peers this side dialed or that proved the secret: a stranger that sends its hello
+    and then nothing (its kernel acknowledging everything, as a held peer's would) is closed at the acceptor's
+    connect_timeout_s (1 s), not kept for no_progress_timeout_s (20 s), and its pending-handshake slot freed."""
+    secret = str(tmp_path / "federation.secret")
+    write_secret(secret)
+    cfg = cfg_for("fedrdma-e", "soft-tcp", secret_file=secret, connect_timeout_s=1.0, no_progress_timeout_s=20)
+    with Endpoint(cfg) as ep:
+        host, port = ep.address.rsplit(":", 1)
+        boot = ev.connect(host, int(port), timeout_s=5)
+        try:
+            t0 = time.monotonic()
+            boot.exchange({"auth": "hmac-sha256", "v": 1, "name": "stranger:1", "nonce": "00" * 32}, 5)
+            with pytest.raises(ev.BootstrapError, match="closed|lost"):
+                boot.recv(30)  # no proof from us: the acceptor gives up and closes
+            assert time.monotonic() - t0 < 5, "a stranger was given a held peer's patience"
+        finally:
+            boot.close()
+        deadline = time.monotonic() + 5
+        while ep.refused < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ep.refused >= 1 and ep._pending.acquire(blocking=False)  # the slot is back
+        ep._pending.release()
 
 
 def test_a_listener_that_never_answers_fails_at_no_progress_not_never():

@@ -234,8 +234,7 @@ class Endpoint:
                 boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
                 try:
                     if self.tls is not None:  # TLS first; the peer's certificate must name the party at `address`
-                        boot = self.tls.dial(boot, address, self.name, max(0.1, deadline - time.monotonic()),
-                                             self._patience_s)
+                        boot = self.tls.dial(boot, address, self.name, max(0.1, deadline - time.monotonic()))
                     who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
                     if self.tls is not None:
                         who = self.tls.bind(who, None)

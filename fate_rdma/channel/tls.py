@@ -143,15 +143,13 @@ class ChannelTLS:
             raise
 
     # -- dialer ---------------------------------------------------------------------------------
-    def dial(self, boot: ev.BootstrapConn, address: str, me: str, timeout_s: float,
-             patience_s: float = 0.0) -> ev.BootstrapConn:
+    def dial(self, boot: ev.BootstrapConn, address: str, me: str, timeout_s: float) -> ev.BootstrapConn:
         """TLS on a connection this side made to `address`; the peer's certificate must name the party at
         `address`. A peer that closes during the handshake (at its cap of pending handshakes) gives a
-        BootstrapError saying "closed", which the endpoint retries. `patience_s`: as
-        BootstrapConn.wait_patiently (a held peer; the returned connection keeps it)."""
-        deadline = time.monotonic() + timeout_s
+        BootstrapError saying "closed", which the endpoint retries. `boot`'s patience window (a held peer,
+        BootstrapConn.wait_patiently) covers the TLS handshake, and the returned connection keeps it."""
         try:
-            ssock = handshake(boot.sock, self.contexts.client, False, timeout_s, patience_s)
+            ssock = handshake(boot.sock, self.contexts.client, False, timeout_s, boot.patient_until)
         except ssl.SSLCertVerificationError as exc:
             raise AuthenticationError(f"the endpoint at {address} presented a certificate that this site's tls_ca "
                                       f"does not trust ({exc.verify_message})") from exc
@@ -169,17 +167,16 @@ class ChannelTLS:
         except OSError:
             ssock.close()
             raise
-        tboot.wait_patiently(patience_s, "no_progress_timeout_s")
+        tboot.keep_patience_of(boot)
         try:
             names, party = cert_names(ssock), self.party_of(address)
             if party not in names:
                 raise AuthenticationError(f"the endpoint at {address} must be party {party!r} but its TLS certificate "
                                           f"names {', '.join(map(repr, names)) or 'nobody'}: refused (another "
                                           f"party's certificate)")
-            left = max(0.001, deadline - time.monotonic())
-            try:
-                tboot.send({"tls": 1, "name": me}, left)
-                reply = tboot.recv(left)
+            try:  # (this side chose to dial: the TLS hello gets its own timeout, however long the handshake took)
+                tboot.send({"tls": 1, "name": me}, timeout_s)
+                reply = tboot.recv(timeout_s)
             except ev.BootstrapError as exc:
                 # in TLS 1.3 the acceptor checks this side's certificate after this side's handshake is
                 # done: one it does not accept shows as an alert, or as the connection closed unanswered
