@@ -268,14 +268,17 @@ class QP(Resource):
         self._check_open()
         return self._info()
 
-    def connect(self, remote: QPInfo, timeout_s: float = 10.0) -> None:
-        """Move RESET/INIT -> RTR -> RTS against the peer's `QPInfo`."""
+    def connect(self, remote: QPInfo, timeout_s: float = 10.0, patient_until: float = 0.0) -> None:
+        """Move RESET/INIT -> RTR -> RTS against the peer's `QPInfo`. `patient_until` (easypyverbs.stalls'
+        clock; establish passes its bootstrap connection's window): a provider that waits on the peer here
+        (soft: its NIC's answer) waits on past `timeout_s` until then while the peer's host acknowledges
+        what was sent (a held peer process, bootstrap.BootstrapConn.wait_patiently)."""
         self._check_open()
         if remote.provider != self.ctx.provider:
             raise UsageError(f"cannot connect a {self.ctx.provider} QP to a {remote.provider} QP")
         if self.state not in (QPState.RESET, QPState.INIT):
             raise UsageError(f"QP is already {self.state.name}; connect() is for a new QP")
-        self._connect(remote, timeout_s)
+        self._connect(remote, timeout_s, patient_until)
         self.remote_info = remote
 
     @property
@@ -385,7 +388,7 @@ class QP(Resource):
         """Provider hook."""
 
     @abc.abstractmethod
-    def _connect(self, remote: QPInfo, timeout_s: float) -> None:
+    def _connect(self, remote: QPInfo, timeout_s: float, patient_until: float) -> None:
         """Provider hook."""
 
     @abc.abstractmethod

@@ -89,7 +89,7 @@ def establish(
             raise BootstrapError("peer's connection descriptor lacks 'mrs' or has a bad 'extra'")
         remote_info = QPInfo.from_dict(theirs.get("qp"))  # type: ignore[arg-type]
         remote_mrs = {str(k): RemoteMR.from_dict(v) for k, v in theirs["mrs"].items()}
-        qp.connect(remote_info, timeout_s)
+        qp.connect(remote_info, timeout_s, conn.patient_until)
         ack = conn.exchange({"ready": True}, timeout_s)  # both QPs in RTS before either side posts
         if ack.get("ready") is not True:
             raise BootstrapError("peer did not confirm the connection")

@@ -249,3 +249,32 @@ class _capture:
 
     def __exit__(self, *exc: object) -> None:
         self.logger.removeHandler(self.handler)
+
+
+@pytest.mark.parametrize("patient", [False, True])
+def test_a_soft_qp_waits_for_a_held_peer_nic_within_the_window(patient):
+    """A held peer's soft NIC (a thread of that process) answers a new QP late: within the handshake's window
+    the QP's connect waits for it past its socket timeout (0.3 s here); without a window it fails as before."""
+    from easypyverbs.providers.soft import wire
+    from easypyverbs.providers.soft.qp import _reply
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname()[:2], timeout=0.3)
+    b, _ = srv.accept()
+    try:
+        a.sendall(b"hello")
+        answer = wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, wire.HELLO_OK, 0)
+        late = threading.Timer(1.2, b.sendall, args=(answer,))
+        late.start()
+        try:
+            if patient:
+                assert _reply(a, "peer", stalls.clock() + 10) == answer
+            else:
+                with pytest.raises(socket.timeout):
+                    _reply(a, "peer", 0.0)
+        finally:
+            late.join()
+    finally:
+        a.close()
+        b.close()
+        srv.close()

@@ -312,7 +312,7 @@ class PyverbsQP(QP):
         self._in_error = state in (QPState.ERR, QPState.SQE)
         return state
 
-    def _connect(self, remote: QPInfo, timeout_s: float) -> None:
+    def _connect(self, remote: QPInfo, timeout_s: float, patient_until: float) -> None:  # (no wait on the peer)
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 

@@ -21,7 +21,9 @@ import threading
 import time
 from typing import Any, Deque, List, Optional
 
+from ... import stalls
 from ...api import CQ, OPCODE_OF, PD, QP, SGE
+from ...bootstrap import peer_took_everything
 from ...enums import QPState, WCOpcode, WCStatus
 from ...errors import EasyVerbsError, UsageError
 from ...tls import TLSStream, handshake
@@ -32,6 +34,29 @@ from .requester import DOORBELL_BATCH_WRS, DOORBELL_INFLIGHT, Requester, _WR  # 
 from .responder import PSN_MASK, Responder
 
 log = logging.getLogger("easypyverbs.soft")
+
+
+def _reply(sock: Any, gid: str, patient_until: float) -> bytes:
+    """The peer NIC's HELLO_REPLY. Past the socket's timeout, wait on until `patient_until` (stalls' clock)
+    while the peer's host acknowledges everything sent to it: its NIC is a thread of a process that may be
+    held (native code keeping its GIL), as a bootstrap read does (bootstrap.BootstrapConn.wait_patiently)."""
+    buf = bytearray(wire.HELLO_REPLY.size)
+    view, pos, told = memoryview(buf), 0, False
+    while pos < len(buf):
+        try:
+            got = sock.recv_into(view[pos:], len(buf) - pos)
+        except socket.timeout:
+            if stalls.clock() >= patient_until or not peer_took_everything(getattr(sock, "sock", sock)):
+                raise
+            if not told:
+                told = True
+                log.warning("soft NIC %s has not answered a new QP, but its host acknowledged all this side sent: its "
+                            "process may be held; waiting up to %.0f s more", gid, patient_until - stalls.clock())
+            continue
+        if got == 0:
+            raise wire.PeerClosed(f"peer closed the connection after {pos} of {len(buf)} bytes")
+        pos += got
+    return bytes(buf)
 
 
 
@@ -90,7 +115,7 @@ class SoftQP(Requester, Responder, QP):
         self._threads.append(t)
         t.start()
 
-    def _connect(self, remote: QPInfo, timeout_s: float) -> None:
+    def _connect(self, remote: QPInfo, timeout_s: float, patient_until: float) -> None:
         host, _, port = remote.gid.rpartition(":")
         if not host or not port.isdigit():
             raise UsageError(f"soft QPInfo gid must be host:port, got {remote.gid!r}")
@@ -102,7 +127,7 @@ class SoftQP(Requester, Responder, QP):
         tls = self.ctx.tls  # type: ignore[attr-defined]
         if tls is not None:
             try:
-                sock = TLSStream(handshake(sock, tls.client, False, timeout_s), timeout_s)
+                sock = TLSStream(handshake(sock, tls.client, False, timeout_s, patient_until), timeout_s)
             except OSError as exc:  # ssl.SSLError, TimeoutError, a reset
                 sock.close()
                 raise EasyVerbsError(f"soft QP {self.qpn}: TLS handshake with peer NIC {remote.gid} failed: {exc} "
@@ -117,7 +142,7 @@ class SoftQP(Requester, Responder, QP):
                                          self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
                                          os.getpid(), self._probe.addr if self._probe else 0,
                                          self._probe.value if self._probe else bytes(16)))
-            magic, version, kind, status, flags = wire.HELLO_REPLY.unpack(wire.recv_exactly(sock, wire.HELLO_REPLY.size))
+            magic, version, kind, status, flags = wire.HELLO_REPLY.unpack(_reply(sock, remote.gid, patient_until))
         except (OSError, wire.PeerClosed) as exc:
             sock.close()
             raise EasyVerbsError(f"soft QP {self.qpn}: handshake with {remote.gid} failed: {exc}") from exc
