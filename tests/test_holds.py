@@ -254,7 +254,8 @@ class _capture:
 @pytest.mark.parametrize("patient", [False, True])
 def test_a_soft_qp_waits_for_a_held_peer_nic_within_the_window(patient):
     """A held peer's soft NIC (a thread of that process) answers a new QP late: within the handshake's window
-    the QP's connect waits for it past its socket timeout (0.3 s here); without a window it fails as before."""
+    the QP's connect waits for it past its timeout (0.3 s here); without a window it fails as before. And a window
+    that ends first fails the wait at its end, saying the host acknowledged everything."""
     from easypyverbs.providers.soft import wire
     from easypyverbs.providers.soft.qp import _reply
 
@@ -268,12 +269,22 @@ def test_a_soft_qp_waits_for_a_held_peer_nic_within_the_window(patient):
         late.start()
         try:
             if patient:
-                assert _reply(a, "peer", stalls.clock() + 10) == answer
+                assert _reply(a, "peer", 0.3, stalls.clock() + 10) == answer
             else:
-                with pytest.raises(socket.timeout):
-                    _reply(a, "peer", 0.0)
+                with pytest.raises(socket.timeout, match="no answer within"):
+                    _reply(a, "peer", 0.3, 0.0)
         finally:
             late.join()
+        if patient:  # a window shorter than the peer's silence
+            late = threading.Timer(1.5, b.sendall, args=(answer,))
+            late.start()
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(socket.timeout, match="held or stuck"):
+                    _reply(a, "peer", 0.3, stalls.clock() + 0.9)
+                assert time.monotonic() - t0 < 1.4
+            finally:
+                late.join()
     finally:
         a.close()
         b.close()

@@ -36,29 +36,44 @@ from .responder import PSN_MASK, Responder
 log = logging.getLogger("easypyverbs.soft")
 
 
-def _reply(sock: Any, gid: str, patient_until: float) -> bytes:
-    """The peer NIC's HELLO_REPLY. Past the socket's timeout, wait on until `patient_until` (stalls' clock)
+def _reply(sock: Any, gid: str, timeout_s: float, patient_until: float) -> bytes:
+    """The peer NIC's HELLO_REPLY within `timeout_s`, or, past that, until `patient_until` (stalls' clock)
     while the peer's host acknowledges everything sent to it: its NIC is a thread of a process that may be
-    held (native code keeping its GIL), as a bootstrap read does (bootstrap.BootstrapConn.wait_patiently)."""
+    held (native code keeping its GIL). As bootstrap.BootstrapConn's reads: the kernel's view first read
+    0.5 s in, then each half second, and never past the window."""
+    start = stalls.clock()
+    deadline = start + timeout_s
+    last = max(deadline, patient_until)
+    if last > deadline:
+        deadline = max(deadline, start + min(0.5, last - start))
     buf = bytearray(wire.HELLO_REPLY.size)
     view, pos, told = memoryview(buf), 0, False
-    while pos < len(buf):
-        try:
-            got = sock.recv_into(view[pos:], len(buf) - pos)
-        except socket.timeout:
-            if stalls.clock() >= patient_until or not peer_took_everything(getattr(sock, "sock", sock)):
-                raise
-            if not told:
-                told = True
-                log.warning("soft NIC %s has not answered a new QP, but its host acknowledged all this side sent: its "
-                            "process may be held; waiting up to %.0f s more", gid, patient_until - stalls.clock())
-            continue
-        if got == 0:
-            raise wire.PeerClosed(f"peer closed the connection after {pos} of {len(buf)} bytes")
-        pos += got
+    try:
+        while pos < len(buf):
+            now = stalls.clock()
+            if now >= deadline:
+                raw = getattr(sock, "sock", sock)  # (a TLSStream's TCP socket)
+                if now >= last or not peer_took_everything(raw):
+                    raise socket.timeout(f"no answer within {now - start:.1f} s" + (
+                        " (its host acknowledged all this side sent: its process is held or stuck)" if told else ""))
+                if not told:
+                    told = True
+                    log.warning("soft NIC %s has not answered a new QP for %.1f s, but its host acknowledged all this "
+                                "side sent: its process may be held; waiting up to %.0f s more", gid, now - start,
+                                last - now)
+                deadline = min(last, now + 0.5)
+                continue
+            sock.settimeout(deadline - now)
+            try:
+                got = sock.recv_into(view[pos:], len(buf) - pos)
+            except socket.timeout:
+                continue
+            if got == 0:
+                raise wire.PeerClosed(f"peer closed the connection after {pos} of {len(buf)} bytes")
+            pos += got
+    finally:
+        sock.settimeout(timeout_s)
     return bytes(buf)
-
-
 
 
 class SoftQP(Requester, Responder, QP):
@@ -142,7 +157,7 @@ class SoftQP(Requester, Responder, QP):
                                          self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
                                          os.getpid(), self._probe.addr if self._probe else 0,
                                          self._probe.value if self._probe else bytes(16)))
-            magic, version, kind, status, flags = wire.HELLO_REPLY.unpack(_reply(sock, remote.gid, patient_until))
+            magic, version, kind, status, flags = wire.HELLO_REPLY.unpack(_reply(sock, remote.gid, timeout_s, patient_until))
         except (OSError, wire.PeerClosed) as exc:
             sock.close()
             raise EasyVerbsError(f"soft QP {self.qpn}: handshake with {remote.gid} failed: {exc}") from exc
