@@ -52,6 +52,37 @@ def peer_took_everything(sock: socket.socket) -> bool:
         struct.unpack_from("I", info, _TCPI_UNACKED)[0] == 0
 
 
+class Patience:
+    """The deadline of one wait on a peer: `timeout_s` from now, or, for a peer that may be held, on until
+    `until` (stalls' clock) while its host acknowledges everything sent on the socket (peer_took_everything):
+    that is first looked at 0.5 s in (an ACK may still be on its way), then each half second, never past
+    `until`. The bootstrap reads, the dialer's TLS handshake and the soft NIC's answer to a new QP wait so."""
+
+    def __init__(self, timeout_s: float, until: float = 0.0) -> None:
+        self.start = stalls.clock()
+        self.deadline = self.start + timeout_s
+        self.last = max(self.deadline, until)
+        if self.last > self.deadline:
+            self.deadline = max(self.deadline, self.start + min(0.5, self.last - self.start))
+        self.waited = False  # (waited past timeout_s for a peer whose host acknowledged everything)
+
+    def left(self, sock: Any, who: str, quiet: bool = False) -> float:
+        """Seconds to wait now; 0 once the wait is over (past its deadline, and past `until` or the peer's host
+        not acknowledging). The first wait past timeout_s is logged, naming `who`, unless `quiet`."""
+        now = stalls.clock()
+        if now < self.deadline:
+            return self.deadline - now
+        if now >= self.last or not peer_took_everything(sock):
+            return 0.0
+        if not self.waited and not quiet:
+            log.warning("%s has not answered for %.1f s, but its host acknowledged all this side sent: its process "
+                        "may be held (native code keeping Python's GIL); waiting up to %.0f s more", who,
+                        now - self.start, self.last - now)
+        self.waited = True
+        self.deadline = min(self.last, now + 0.5)
+        return self.deadline - now
+
+
 class BootstrapConn:
     """A connected bootstrap socket exchanging JSON objects."""
 
@@ -89,8 +120,8 @@ class BootstrapConn:
             raise BootstrapError(f"cannot send to bootstrap peer {self.peer}: {exc}", exc.errno) from exc
 
     def recv(self, timeout_s: float = 10.0) -> Dict[str, Any]:
-        start = stalls.clock()
-        magic, version, kind, _, length = HEADER.unpack(self._recv_exact(HEADER.size, start, timeout_s, "bootstrap header"))
+        wait = Patience(timeout_s, self.patient_until)
+        magic, version, kind, _, length = HEADER.unpack(self._recv_exact(HEADER.size, wait, "bootstrap header"))
         if magic != MAGIC and magic[:1] == b"\x16":  # a TLS handshake record
             raise BootstrapError(f"bootstrap peer {self.peer} speaks TLS (it sent a TLS ClientHello); this side "
                                  f"does not: TLS is on there and off here")
@@ -100,7 +131,7 @@ class BootstrapConn:
             raise BootstrapError(f"bootstrap peer {self.peer} speaks version {version}/kind {kind}; this side speaks {VERSION}/{KIND_JSON}")
         if length > MAX_BODY_BYTES:
             raise BootstrapError(f"bootstrap peer {self.peer} announced {length} bytes, more than {MAX_BODY_BYTES}")
-        body = self._recv_exact(length, start, timeout_s, "bootstrap body")
+        body = self._recv_exact(length, wait, "bootstrap body")
         try:
             obj = json.loads(body)
         except ValueError as exc:
@@ -109,34 +140,20 @@ class BootstrapConn:
             raise BootstrapError(f"bootstrap peer {self.peer} sent {type(obj).__name__}, expected an object")
         return obj
 
-    def _recv_exact(self, n: int, start: float, timeout_s: float, what: str) -> bytes:
-        """`n` bytes within `timeout_s` of `start` (stalls' clock), or, past that, until the patience window
-        ends while the peer's host acknowledges everything this side sent (re-checked each half second)."""
-        deadline = start + timeout_s
-        last = max(deadline, self.patient_until)
-        if last > deadline:  # the kernel's view is not read before an ACK of what was just sent can be here
-            deadline = max(deadline, start + min(0.5, last - start))
+    def _recv_exact(self, n: int, wait: Patience, what: str) -> bytes:
         buf = bytearray(n)
         view = memoryview(buf)
         pos = 0
         while pos < n:
-            now = stalls.clock()
-            if now >= deadline:
-                if now >= last or not peer_took_everything(self.sock):
-                    why = (f"; its host took all this side sent, but its process did not answer within "
-                           f"{self.patience_s:g} s ({self.patience_why or 'patience'}): held that long, or stuck"
-                           if now >= last > start + timeout_s else "")
-                    raise BootstrapError(f"timed out waiting for {what} from {self.peer[0]}:{self.peer[1]} "
-                                         f"({pos} of {n} bytes){why}")
-                if not self.told:
-                    self.told = True
-                    log.warning("bootstrap peer %s:%s has not answered for %.1f s, but its host acknowledged all this "
-                                "side sent: its process may be held (native code keeping Python's GIL); waiting up "
-                                "to %.0f s more%s", self.peer[0], self.peer[1], now - start, last - now,
-                                f" ({self.patience_why})" if self.patience_why else "")
-                deadline = min(last, now + 0.5)
-                continue
-            self.sock.settimeout(deadline - now)
+            left = wait.left(self.sock, f"bootstrap peer {self.peer[0]}:{self.peer[1]}", quiet=self.told)
+            self.told = self.told or wait.waited
+            if left <= 0:
+                why = (f"; its host took all this side sent, but its process did not answer within "
+                       f"{self.patience_s:g} s ({self.patience_why or 'patience'}): held that long, or stuck"
+                       if wait.waited else "")
+                raise BootstrapError(f"timed out waiting for {what} from {self.peer[0]}:{self.peer[1]} "
+                                     f"({pos} of {n} bytes){why}")
+            self.sock.settimeout(left)
             try:
                 got = self.sock.recv_into(view[pos:], n - pos)
             except socket.timeout:

@@ -10,7 +10,6 @@ handshake, where a bootstrap socket looks for its peer's end of file).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import select
 import socket
 import ssl
@@ -19,9 +18,7 @@ import time
 from typing import Any, List, Optional, Sequence
 
 from . import stalls
-from .bootstrap import peer_took_everything
-
-log = logging.getLogger("easypyverbs.tls")
+from .bootstrap import Patience
 
 #: first byte of a TLS connection (a handshake record carrying the ClientHello)
 TLS_RECORD_HANDSHAKE = b"\x16"
@@ -83,12 +80,7 @@ def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, t
     `timeout_s`, wait on until then while the peer's host acknowledges everything sent to it (a held peer
     process, as bootstrap.BootstrapConn.wait_patiently). Closes the socket and raises on failure
     (ssl.SSLError, ssl.SSLCertVerificationError, TimeoutError, OSError). The socket is left non-blocking."""
-    start = stalls.clock()
-    deadline = start + timeout_s
-    last = max(deadline, patient_until)
-    if last > deadline:  # (as bootstrap: an ACK still on its way is not a dead host)
-        deadline = max(deadline, start + min(0.5, last - start))
-    told = False
+    wait = Patience(timeout_s, patient_until)
     sock.setblocking(False)
     ssock = context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
     try:
@@ -100,20 +92,11 @@ def handshake(sock: socket.socket, context: ssl.SSLContext, server_side: bool, t
                 events = select.POLLIN
             except ssl.SSLWantWriteError:
                 events = select.POLLOUT
-            now = stalls.clock()
-            left = deadline - now
-            if left <= 0 and now < last and peer_took_everything(ssock):
-                if not told:
-                    told = True
-                    log.warning("TLS peer %s has not answered for %.1f s, but its host acknowledged all this side "
-                                "sent: its process may be held; waiting up to %.0f s more", _peer_of(ssock),
-                                now - start, last - now)
-                deadline = min(last, now + 0.5)
-                continue
+            left = wait.left(ssock, f"TLS peer {_peer_of(ssock)}")
             if left <= 0:
                 raise TimeoutError(f"TLS handshake not done within {timeout_s:.1f} s" + (
-                    f" (nor {now - start:.0f} s while the peer's host acknowledged everything: its process is held "
-                    f"or stuck)" if told else ""))
+                    f" (nor {stalls.clock() - wait.start:.0f} s while the peer's host acknowledged everything: its "
+                    f"process is held or stuck)" if wait.waited else ""))
             p = select.poll()
             p.register(ssock.fileno(), events)
             p.poll(left * 1000)

@@ -23,7 +23,7 @@ from typing import Any, Deque, List, Optional
 
 from ... import stalls
 from ...api import CQ, OPCODE_OF, PD, QP, SGE
-from ...bootstrap import peer_took_everything
+from ...bootstrap import Patience
 from ...enums import QPState, WCOpcode, WCStatus
 from ...errors import EasyVerbsError, UsageError
 from ...tls import TLSStream, handshake
@@ -37,33 +37,19 @@ log = logging.getLogger("easypyverbs.soft")
 
 
 def _reply(sock: Any, gid: str, timeout_s: float, patient_until: float) -> bytes:
-    """The peer NIC's HELLO_REPLY within `timeout_s`, or, past that, until `patient_until` (stalls' clock)
-    while the peer's host acknowledges everything sent to it: its NIC is a thread of a process that may be
-    held (native code keeping its GIL). As bootstrap.BootstrapConn's reads: the kernel's view first read
-    0.5 s in, then each half second, and never past the window."""
-    start = stalls.clock()
-    deadline = start + timeout_s
-    last = max(deadline, patient_until)
-    if last > deadline:
-        deadline = max(deadline, start + min(0.5, last - start))
+    """The peer NIC's HELLO_REPLY within `timeout_s`, or on until `patient_until` while the peer's host
+    acknowledges everything sent to it (bootstrap.Patience): its NIC is a thread of a process that may be
+    held (native code keeping its GIL)."""
+    wait = Patience(timeout_s, patient_until)
     buf = bytearray(wire.HELLO_REPLY.size)
-    view, pos, told = memoryview(buf), 0, False
+    view, pos = memoryview(buf), 0
     try:
         while pos < len(buf):
-            now = stalls.clock()
-            if now >= deadline:
-                raw = getattr(sock, "sock", sock)  # (a TLSStream's TCP socket)
-                if now >= last or not peer_took_everything(raw):
-                    raise socket.timeout(f"no answer within {now - start:.1f} s" + (
-                        " (its host acknowledged all this side sent: its process is held or stuck)" if told else ""))
-                if not told:
-                    told = True
-                    log.warning("soft NIC %s has not answered a new QP for %.1f s, but its host acknowledged all this "
-                                "side sent: its process may be held; waiting up to %.0f s more", gid, now - start,
-                                last - now)
-                deadline = min(last, now + 0.5)
-                continue
-            sock.settimeout(deadline - now)
+            left = wait.left(getattr(sock, "sock", sock), f"soft NIC {gid} (a new QP)")  # (a TLSStream's socket)
+            if left <= 0:
+                raise socket.timeout(f"no answer within {stalls.clock() - wait.start:.1f} s" + (
+                    " (its host acknowledged all this side sent: its process is held or stuck)" if wait.waited else ""))
+            sock.settimeout(left)
             try:
                 got = sock.recv_into(view[pos:], len(buf) - pos)
             except socket.timeout:
