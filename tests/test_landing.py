@@ -240,6 +240,28 @@ def test_a_transfer_is_verified_from_the_digests_taken_where_it_landed(monkeypat
     assert seen["landed"] >= blocks - 3
 
 
+@pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
+def test_a_frame_of_many_arrays_is_verified_from_where_it_landed(monkeypatch, provider):
+    """A payload of many arrays (as FATE's frames are: GPT-2's 148 tensors, small biases between large
+    weights) needs several WRs per chunk; they are cut at block boundaries (transfer.group_sges), so every
+    block is still placed by one WRITE and its digest taken where it landed, not read again from memory."""
+    seen = _spy(monkeypatch)
+    rng = np.random.default_rng(5)
+    sizes = [int(x) for x in rng.choice([3 * 1024, 9 * 1024, 300 * 1024, MiB + 12], 150)]
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    total = sum(sizes)
+    cfg = cfg_for("fedrdma-e", provider, slot_bytes=64 * MiB, chunk_bytes=16 * MiB, same_host_chunk_bytes=32 * MiB)
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        rx.name = rx.address
+        tx.send(rx.address, arrays).result(60)
+        msg = rx.recv(timeout=30)
+        assert bytes(msg.view) == b"".join(a.tobytes() for a in arrays)
+        msg.release()
+    blocks = -(-total // (4 * MiB))
+    assert seen["landed"] + seen["read"] == blocks
+    assert seen["read"] <= 1, seen  # the last, short block (the metadata after it lands in its range)
+
+
 def test_chunks_smaller_than_a_block_are_checked_from_memory_with_notes(monkeypatch):
     """1 MiB chunks: no single WRITE places a block, so no block has a landing digest; the PLACED notes
     start each block's checksum early instead, and the transfer is verified all the same."""

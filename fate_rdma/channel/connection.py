@@ -27,6 +27,7 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
+from ..protocol.integrity import BLOCK_BYTES
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
 from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
@@ -41,6 +42,8 @@ from .transfer import Fill, Message, Payload, TransferFuture, group_sges
 log = logging.getLogger("fate_rdma.channel")
 
 RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up from 1
+#: SGEs a data WRITE may gather, where the device takes that many (mlx5 NICs commonly take 30, rxe 32)
+MAX_SEND_SGE = 30
 
 
 class Connection:
@@ -94,7 +97,10 @@ class Connection:
                                   f"{self.endpoint.budget.held_bytes} held)")
         self._reserved = offered
         self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes, track)
-        cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=8, max_recv_sge=1)
+        # a WRITE gathers up to MAX_SEND_SGE of a payload's arrays (as many as the device takes): a frame of many
+        # arrays goes in fewer WRs, each placing whole integrity blocks (transfer.group_sges)
+        cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=max(1, min(MAX_SEND_SGE, ctx.query().max_sge)),
+                       max_recv_sge=1)
         for i in range(nqps):
             rc = ev.establish(ctx, boot, mrs=mem.remote_mrs if i == 0 else None, pd=pd, cap=cap, timeout_s=t,
                               owns_bootstrap=False, cq=self.cq)
@@ -274,7 +280,7 @@ class Connection:
     def post_data(self, qp: ev.QP, o: Outgoing, c: P.Chunk, remote: ev.RemoteMR, roff: int, signal_last: bool,
                   seq: int) -> None:
         """WRITE chunk `c` of `o` to `remote` at `roff`, in WRs of at most max_send_sge SGEs."""
-        groups = group_sges(o.payload.sges(c.offset, c.length), qp.cap.max_send_sge)
+        groups = group_sges(o.payload.sges(c.offset, c.length), qp.cap.max_send_sge, c.offset, BLOCK_BYTES)
         for i, g in enumerate(groups):
             if not g:
                 continue

@@ -272,7 +272,55 @@ class Message:
         return f"<Message {self.transfer_id} from {self.peer}: {self.nbytes} bytes, {self.mode}>"
 
 
-def group_sges(sges: List[ev.SGE], max_sge: int) -> List[List[ev.SGE]]:
-    """Split an SGE list into WRs of at most `max_sge` elements."""
-    return [sges[i:i + max_sge] for i in range(0, len(sges), max_sge)] or [[]]
+def group_sges(sges: List[ev.SGE], max_sge: int, offset: int = 0, block_bytes: int = 0) -> List[List[ev.SGE]]:
+    """Split an SGE list into WRs of at most `max_sge` elements, in order, covering the same bytes.
+
+    `block_bytes` (the integrity blocks of the payload; `offset`: the payload offset of the first SGE): where
+    the list needs more than one WR, cut the WRs at block boundaries, splitting an SGE there if need be, so
+    that each block is placed by one WRITE and the receiver can take its digest where it landed (a block two
+    WRITEs share is read again from memory). A block of more than `max_sge` pieces still takes several."""
+    if max_sge < 1:
+        raise ValueError(f"max_sge must be >= 1, got {max_sge}")
+    if len(sges) <= max_sge or block_bytes <= 0:
+        return [sges[i:i + max_sge] for i in range(0, len(sges), max_sge)] or [[]]
+    out: List[List[ev.SGE]] = []
+    cur: List[ev.SGE] = []
+    block: List[ev.SGE] = []  # the pieces of the block being gathered
+    pos = offset
+
+    def add_block() -> None:
+        nonlocal cur
+        if not block:
+            return
+        # the block's first piece continues cur's last SGE (an SGE split at the boundary): they join again
+        joins = bool(cur) and cur[-1].mr is block[0].mr and cur[-1].offset + cur[-1].length == block[0].offset
+        if len(cur) + len(block) - joins <= max_sge:
+            if joins:
+                cur[-1] = ev.SGE(cur[-1].mr, cur[-1].offset, cur[-1].length + block[0].length)
+                cur.extend(block[1:])
+            else:
+                cur.extend(block)
+        else:
+            if cur:
+                out.append(cur)
+            cur = []
+            for i in range(0, len(block), max_sge):  # (more pieces than one WR takes: the block is shared)
+                if len(block) - i > max_sge:
+                    out.append(block[i:i + max_sge])
+                else:
+                    cur = block[i:]
+        block.clear()
+
+    for s in sges:
+        at, left = s.offset, s.length
+        while left > 0:
+            n = min(left, block_bytes - pos % block_bytes)
+            block.append(ev.SGE(s.mr, at, n))
+            at, left, pos = at + n, left - n, pos + n
+            if pos % block_bytes == 0:
+                add_block()
+    add_block()
+    if cur:
+        out.append(cur)
+    return out or [[]]
 
