@@ -99,8 +99,10 @@ class Connection:
         self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes, track)
         # a WRITE gathers up to MAX_SEND_SGE of a payload's arrays (as many as the device takes): a frame of many
         # arrays goes in fewer WRs, each placing whole integrity blocks (transfer.group_sges)
-        cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=max(1, min(MAX_SEND_SGE, ctx.query().max_sge)),
+        cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=self.endpoint.send_sge_limit(self.cq),
                        max_recv_sge=1)
+        #: a FedRDMA-E chunk's WRs are cut at integrity blocks where the receiver digests WRITEs as they land
+        self._cut_at = BLOCK_BYTES if ctx.tracks_writes else 0
         for i in range(nqps):
             rc = ev.establish(ctx, boot, mrs=mem.remote_mrs if i == 0 else None, pd=pd, cap=cap, timeout_s=t,
                               owns_bootstrap=False, cq=self.cq)
@@ -278,9 +280,11 @@ class Connection:
         return self.rcs[self._rr].qp
 
     def post_data(self, qp: ev.QP, o: Outgoing, c: P.Chunk, remote: ev.RemoteMR, roff: int, signal_last: bool,
-                  seq: int) -> None:
-        """WRITE chunk `c` of `o` to `remote` at `roff`, in WRs of at most max_send_sge SGEs."""
-        groups = group_sges(o.payload.sges(c.offset, c.length), qp.cap.max_send_sge, c.offset, BLOCK_BYTES)
+                  seq: int, in_place: bool = False) -> None:
+        """WRITE chunk `c` of `o` to `remote` at `roff`, in WRs of at most max_send_sge SGEs. `in_place`: into
+        a FedRDMA-E slot, the payload's final place, whose blocks the receiver may digest as they land."""
+        groups = group_sges(o.payload.sges(c.offset, c.length), qp.cap.max_send_sge, c.offset,
+                            self._cut_at if in_place else 0)
         for i, g in enumerate(groups):
             if not g:
                 continue

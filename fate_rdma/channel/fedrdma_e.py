@@ -128,9 +128,9 @@ class SlotSender:
         slot_mr = self.slot_mrs[o.slot]  # type: ignore[index]
         data_off = self.offer.offset_in_slot(c.offset)
         if c.seq != 0:
-            conn.post_data(qp, o, c, slot_mr, data_off, True, c.seq)
+            conn.post_data(qp, o, c, slot_mr, data_off, True, c.seq, in_place=True)
             return
-        conn.post_data(qp, o, c, slot_mr, data_off, False, 0)
+        conn.post_data(qp, o, c, slot_mr, data_off, False, 0, in_place=True)
         digest = o.crc_future.result() if o.checksums else None
         hdr = o.integrity.seal(o.machine.header(len(o.meta), None), o.meta, digest)
         conn.post_header(qp, o, hdr, 0, slot_mr, 0, o.machine.imm)

@@ -294,21 +294,22 @@ def group_sges(sges: List[ev.SGE], max_sge: int, offset: int = 0, block_bytes: i
             return
         # the block's first piece continues cur's last SGE (an SGE split at the boundary): they join again
         joins = bool(cur) and cur[-1].mr is block[0].mr and cur[-1].offset + cur[-1].length == block[0].offset
-        if len(cur) + len(block) - joins <= max_sge:
+        if len(cur) + len(block) - joins <= max_sge or len(block) > max_sge:
+            # it fits; or it has more pieces than one WR takes, so WRs share it anyway: fill the current one
+            rest = block[1:] if joins else list(block)
             if joins:
                 cur[-1] = ev.SGE(cur[-1].mr, cur[-1].offset, cur[-1].length + block[0].length)
-                cur.extend(block[1:])
-            else:
-                cur.extend(block)
+            while rest:
+                if len(cur) == max_sge:
+                    out.append(cur)
+                    cur = []
+                room = max_sge - len(cur)
+                cur.extend(rest[:room])
+                rest = rest[room:]
         else:
             if cur:
                 out.append(cur)
-            cur = []
-            for i in range(0, len(block), max_sge):  # (more pieces than one WR takes: the block is shared)
-                if len(block) - i > max_sge:
-                    out.append(block[i:i + max_sge])
-                else:
-                    cur = block[i:]
+            cur = list(block)
         block.clear()
 
     for s in sges:
