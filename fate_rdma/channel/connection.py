@@ -42,7 +42,8 @@ from .transfer import Fill, Message, Payload, TransferFuture, group_sges
 log = logging.getLogger("fate_rdma.channel")
 
 RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up from 1
-#: SGEs a data WRITE may gather, where the device takes that many (mlx5 NICs commonly take 30, rxe 32)
+#: SGEs a data WRITE may gather, where the device takes a QP of that many (Endpoint.send_sge_limit; rxe and the
+#: soft provider report 32; an mlx5 reports 30 but may refuse an RC QP of 30, then 16 or 8 are tried)
 MAX_SEND_SGE = 30
 
 
