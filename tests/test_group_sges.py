@@ -1,4 +1,4 @@
-"""How a chunk becomes WRITEs: transfer.group_sges cuts its SGEs into WRs of at most max_sge, at integrity
+"""How a chunk becomes WRITEs: posting.group_sges cuts its SGEs into WRs of at most max_sge, at integrity
 block boundaries where it takes more than one WR (only for FedRDMA-E slots on a provider that digests WRITEs
 as they land), covering exactly the same bytes in the same order; an endpoint asks for 30 SGEs a WR, fewer
 where its device refuses that many."""
@@ -12,8 +12,8 @@ import pytest
 
 import easypyverbs as ev
 from fate_rdma.channel import Endpoint
-from fate_rdma.channel import connection as conn_mod
-from fate_rdma.channel.transfer import group_sges
+from fate_rdma.channel import posting
+from fate_rdma.channel.posting import group_sges
 from fate_rdma.protocol.integrity import BLOCK_BYTES
 
 from .test_channel import cfg_for
@@ -94,8 +94,8 @@ def _frame():
 @pytest.mark.parametrize("mode", ["fedrdma-e", "fedrdma"])
 def test_wrs_are_cut_at_blocks_only_into_a_fedrdma_e_slot(monkeypatch, mode):
     cuts = []
-    real = conn_mod.group_sges
-    monkeypatch.setattr(conn_mod, "group_sges", lambda sges, n, off, block: cuts.append(block) or real(sges, n, off, block))
+    real = posting.group_sges
+    monkeypatch.setattr(posting, "group_sges", lambda sges, n, off, block: cuts.append(block) or real(sges, n, off, block))
     arrays = _frame()
     with Endpoint(cfg_for(mode, "soft", slot_bytes=64 << 20), name="rx") as rx, \
             Endpoint(cfg_for(mode, "soft"), name="tx") as tx:

@@ -243,7 +243,7 @@ def test_a_transfer_is_verified_from_the_digests_taken_where_it_landed(monkeypat
 @pytest.mark.parametrize("provider", ["soft", "soft-tcp"])
 def test_a_frame_of_many_arrays_is_verified_from_where_it_landed(monkeypatch, provider):
     """A payload of many arrays (as FATE's frames are: GPT-2's 148 tensors, small biases between large
-    weights) needs several WRs per chunk; they are cut at block boundaries (transfer.group_sges), so every
+    weights) needs several WRs per chunk; they are cut at block boundaries (posting.group_sges), so every
     block is still placed by one WRITE and its digest taken where it landed, not read again from memory."""
     seen = _spy(monkeypatch)
     rng = np.random.default_rng(5)

@@ -27,7 +27,6 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.integrity import BLOCK_BYTES
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
 from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
@@ -37,14 +36,12 @@ from .auth import Identity
 from .handshake import bootstrap_closed, confirm_posted, negotiate
 from .layout import RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
-from .transfer import Fill, Message, Payload, TransferFuture, group_sges
+from .posting import data_qp_cap, post_chunk
+from .transfer import Fill, Message, Payload, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
 
 RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up from 1
-#: SGEs a data WRITE may gather, where the device takes a QP of that many (Endpoint.send_sge_limit; rxe and the
-#: soft provider report 32; an mlx5 reports 30 but may refuse an RC QP of 30, then 16 or 8 are tried)
-MAX_SEND_SGE = 30
 
 
 class Connection:
@@ -98,12 +95,7 @@ class Connection:
                                   f"{self.endpoint.budget.held_bytes} held)")
         self._reserved = offered
         self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes, track)
-        # a WRITE gathers up to MAX_SEND_SGE of a payload's arrays (as many as the device takes): a frame of many
-        # arrays goes in fewer WRs, each placing whole integrity blocks (transfer.group_sges)
-        cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=self.endpoint.send_sge_limit(self.cq),
-                       max_recv_sge=1)
-        #: a FedRDMA-E chunk's WRs are cut at integrity blocks where the receiver digests WRITEs as they land
-        self._cut_at = BLOCK_BYTES if ctx.tracks_writes else 0
+        cap = data_qp_cap(self.endpoint.send_sge_limit(self.cq))  # (posting.py: a WRITE gathers up to 30 arrays)
         for i in range(nqps):
             rc = ev.establish(ctx, boot, mrs=mem.remote_mrs if i == 0 else None, pd=pd, cap=cap, timeout_s=t,
                               owns_bootstrap=False, cq=self.cq)
@@ -282,18 +274,13 @@ class Connection:
 
     def post_data(self, qp: ev.QP, o: Outgoing, c: P.Chunk, remote: ev.RemoteMR, roff: int, signal_last: bool,
                   seq: int, in_place: bool = False) -> None:
-        """WRITE chunk `c` of `o` to `remote` at `roff`, in WRs of at most max_send_sge SGEs. `in_place`: into
-        a FedRDMA-E slot, the payload's final place, whose blocks the receiver may digest as they land."""
-        groups = group_sges(o.payload.sges(c.offset, c.length), qp.cap.max_send_sge, c.offset,
-                            self._cut_at if in_place else 0)
-        for i, g in enumerate(groups):
-            if not g:
-                continue
-            last = signal_last and i == len(groups) - 1
-            wr_id = self._wr_id(Wr.DATA, o, seq, 0) if last else 0
-            o.pending_wrs += 1 if last else 0
-            qp.post_write(g, remote, remote_offset=roff, wr_id=wr_id, signaled=last)
-            roff += sum(s.length for s in g)
+        """WRITE chunk `c` of `o` to `remote` at `roff` (posting.post_chunk; `in_place`: into a FedRDMA-E slot)."""
+        def signal() -> int:
+            o.pending_wrs += 1
+            return self._wr_id(Wr.DATA, o, seq, 0)
+
+        post_chunk(qp, o.payload.sges(c.offset, c.length), c.offset, in_place, remote, roff,
+                   signal if signal_last else None)
 
     def post_header(self, qp: ev.QP, o: Outgoing, hdr: P.Header, seq: int, remote: ev.RemoteMR, roff: int,
                     imm: int) -> None:

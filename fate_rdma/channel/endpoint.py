@@ -16,8 +16,8 @@ from ..config import ChannelConfig
 from ..errors import AuthenticationError, ConfigError, PeerUnreachable, TransferTimeout
 from .auth import authenticate, load_secret
 from .buffers import Budget, RecvBuffers
-from .connection import MAX_SEND_SGE, Connection
-from .layout import RECV_DEPTH
+from .connection import Connection
+from .posting import send_sge_limit
 from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
 
@@ -280,28 +280,11 @@ class Endpoint:
             return live or conn
 
     def send_sge_limit(self, cq: ev.CQ) -> int:
-        """The SGEs one data WRITE of this endpoint's QPs may gather: MAX_SEND_SGE, or fewer where the device
-        reports fewer (`max_sge`) or refuses a QP with that many (a device's max_sge is the most a WR may
-        have; a NIC may still refuse an RC QP of that many once its WQE's other segments are counted, as an
-        mlx5 with small send WQEs does). Found once, by creating a QP: 30, 16, then 8 SGEs (the limit of
-        earlier releases); the error of the last try is raised."""
+        """posting.send_sge_limit for this endpoint's device, found once."""
         with self._sge_lock:
             if self._send_sge is None:
-                most = max(1, min(MAX_SEND_SGE, self.ctx.query().max_sge))
-                tries = sorted({most, min(most, 16), min(most, 8)}, reverse=True)
-                for i, n in enumerate(tries):
-                    cap = ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=n, max_recv_sge=1)
-                    try:
-                        self.pd.create_qp(cq, cap=cap).close()
-                    except ev.EasyVerbsError as exc:
-                        if i == len(tries) - 1:
-                            raise
-                        log.info("fate-rdma endpoint %s: %s refuses a QP of %d send SGEs (%s); trying %d",
-                                 self.name, self.ctx.label, n, exc, tries[i + 1])
-                        continue
-                    self._send_sge = n
-                    break
-            return self._send_sge  # type: ignore[return-value]
+                self._send_sge = send_sge_limit(self.ctx, self.pd, cq, self.name)
+            return self._send_sge
 
     def round_trip_s(self, address: str) -> float:
         """The round trip the live connection to `address` measured, without dialing: 0 where there is none
