@@ -348,12 +348,29 @@ def _tamper(view: memoryview, meta_cap: int, how: str, mode: str) -> None:
 ])
 def test_altered_on_the_wire_is_refused(mode, secret, monkeypatch, how, error, match, checksum):
     """blake2b: what a man in the middle changes; xxh3: what an accident changes (the crc32c case: a
-    header that carries a checksum other than the receiver's)."""
+    header that carries a checksum other than the receiver's). xxh3's payload case on FedRDMA-E alters
+    a byte as it lands: there the blocks are digested as they are placed, not read again afterwards."""
     from fate_rdma.channel import fedrdma, fedrdma_e
 
     match = match.format(checksum)
     rx, tx = endpoints(mode, secret, checksum)
     armed = [True]
+    flipped = []
+    if mode == "fedrdma-e" and how == "payload" and checksum in I.BLOCKWISE:
+        # the soft NIC digests a slot's blocks as its WRITEs place them (xxh3's accidents happen on the
+        # way, not in the receiver's memory afterwards): alter a payload byte as it lands, before its digest
+        from easypyverbs.providers.soft import landing
+
+        placed = landing.Landing.landed
+
+        def altered(self, at, nbytes):
+            pos, view = self.offset + at, self.digests._view
+            if armed[0] and not flipped and view is not None and pos >= self.digests.origin:
+                view[pos + nbytes // 2] ^= 0xFF
+                flipped.append(pos)
+            return placed(self, at, nbytes)
+        monkeypatch.setattr(landing.Landing, "landed", altered)
+        how = "landed"
     if mode == "fedrdma-e":
         orig = fedrdma_e.SlotReceiver.on_write_imm
 
@@ -377,6 +394,7 @@ def test_altered_on_the_wire_is_refused(mode, secret, monkeypatch, how, error, m
         with pytest.raises(error, match=match):
             fut.result(30)
         armed[0] = False
+        assert bool(flipped) is (how == "landed")
         tx.send(rx.address, b"clean", {"n": 2}).result(30)  # the connection keeps working
         msg = rx.recv(timeout=30)
         assert bytes(msg.view) == b"clean"  # the altered transfer never reached the application

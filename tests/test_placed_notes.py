@@ -208,7 +208,7 @@ def test_a_same_host_peer_gets_notes_only_where_cores_are_left_beside_its_copy(m
     rx, tx = _pair("soft")
     with rx, tx:
         conn = tx.connect(rx.address)
-        assert fe._same_host(conn) and conn.slot_sender.notes is notes
+        assert fe.same_host_path(conn) and conn.slot_sender.notes is notes
         data = np.random.default_rng(5).integers(0, 256, 24 * MiB, dtype=np.uint8)
         tx.send(rx.address, data).result(60)
         assert crc32c.crc32c(rx.recv(timeout=30).detach()) == crc32c.crc32c(data)

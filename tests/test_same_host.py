@@ -48,11 +48,29 @@ def test_transfers_between_processes_take_the_same_host_path(mode):
             assert all(rc.qp.data_path == SAME_HOST for rc in ep.connect(addr).rcs)
             # FedRDMA-E copies same-host payloads in larger chunks; FedRDMA keeps the peer's staging size
             chunk = c.same_host_chunk_bytes if mode == "fedrdma-e" else c.chunk_bytes
-            assert info["chunks"] == -(-data.nbytes // chunk) + (mode == "fedrdma-e")  # + FedRDMA-E's header
+            assert info["chunks"] == -(-data.nbytes // chunk)  # no Link-Enable chunk: no link to bring up
             rec = p.cmd({"cmd": "expect", "count": 1, "timeout_s": 60})["records"][0]
             assert rec["nbytes"] == data.nbytes and rec["crc32c"] == crc32c.crc32c(data)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+@pytest.mark.parametrize("provider, link_enable, small", [("soft", "auto", False), ("soft", True, True),
+                                                          ("soft-tcp", "auto", True)])
+def test_link_enable_auto_is_off_on_the_same_host_path_only(mode, provider, link_enable, small):
+    """Link-Enable's 4 KiB chunk brings a link up; "auto" leaves it out where the bytes are copied between
+    processes of this host, keeps it over TCP, and a configured true is honoured everywhere."""
+    tcp = provider == "soft-tcp"
+    c = cfg(mode, provider="soft", same_host=not tcp, link_enable=link_enable, same_host_chunk_bytes=1 << 20)
+    data = np.random.default_rng(4).integers(0, 256, (3 << 20) + 8192, dtype=np.uint8)
+    with Endpoint(c, name="rx") as rx, Endpoint(c, name="tx") as tx:
+        info = tx.send(rx.address, data).result(60)
+        assert all(rc.qp.data_path.startswith("same-host") is not tcp for rc in tx.connect(rx.address).rcs)
+        msg = rx.recv(timeout=30)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+    assert info["chunks"] == 4 + small  # three chunks of 1 MiB and the rest (8 KiB; 4 KiB and the 4 KiB one where on)
 
 
 def test_peer_killed_mid_transfer_on_the_same_host_path():

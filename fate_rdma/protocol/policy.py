@@ -151,9 +151,15 @@ def slot_chunk_bytes(chunk_bytes: int, same_host_chunk_bytes: int, same_host: bo
     return max(chunk_bytes, same_host_chunk_bytes) if same_host else chunk_bytes
 
 
-def first_chunk_bytes(link_enable: object, rate_bps: float) -> int:
-    """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto"."""
-    on = rate_bps >= LINK_ENABLE_FROM_BPS if link_enable == "auto" else bool(link_enable)
+def first_chunk_bytes(link_enable: object, rate_bps: float, same_host: bool = False) -> int:
+    """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto". "auto" is off on a
+    same-host path (the soft provider's copy between processes): there is no link to bring up, and the
+    small chunk only costs a WRITE of its own and, where WRITEs are digested as they land, the payload's
+    last integrity block hashed again from memory."""
+    if link_enable == "auto":
+        on = rate_bps >= LINK_ENABLE_FROM_BPS and not same_host
+    else:
+        on = bool(link_enable)
     return LINK_ENABLE_BYTES if on else 0
 
 
