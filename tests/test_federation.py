@@ -268,11 +268,9 @@ def test_buffer_puts_auto_copies_a_put_whose_copy_costs_less_than_the_round_trip
     mib18, rtt = 18 << 20, 0.020  # LoRA rank 32's upload over a 20 ms link: copied; rank 128's (72 MiB) not
     assert rtt * PUT_COPY_BYTES_PER_S > mib18 and auto.buffers_put(mib18, rtt) and not auto.buffers_put(72 << 20, rtt)
     assert not auto.buffers_put(1 << 20, 0.0002) and not auto.buffers_put(1, 0.0)  # loopback; no RTT measured yet
-    assert auto.buffers_put(1 << 30, 0.0, same_host=True)  # the peers read the copy through a mapping
     for value, want in ((True, True), (False, False)):
         cfg = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "buffer_puts": value})
         assert cfg.buffers_put(1 << 30, 0.0) is want and cfg.buffers_put(1, 10.0) is want
-        assert cfg.buffers_put(1, 0.0, same_host=True) is want
 
 
 def _run_example(out, conf=None, params=600_000):
@@ -438,12 +436,11 @@ def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
 
 
 def test_buffer_puts_auto_on_loopback_waits_and_copies_nothing(guest):
-    """The default (buffer_puts: auto): to a peer on this host over loopback TCP (the same-host path off, no
-    link model) a copy costs more than waiting for the bytes, so the put sends the caller's arrays themselves
-    and returns once they arrived; a put of plain bytes (no copy to pay) is still buffered."""
+    """The default (buffer_puts: auto): to a peer on this host (no link model) a copy costs more than waiting
+    for the bytes, so the put sends the caller's arrays themselves and returns once they arrived; a put of
+    plain bytes (no copy to pay) is still buffered."""
     eps = endpoints()
-    tcp = section(eps, same_host=False)
-    ctx, fed, host = guest(tcp, tcp, "s9a", names="w,w2")
+    ctx, fed, host = guest(section(eps), section(eps), "s9a", names="w,w2")
     big = [np.random.default_rng(4).standard_normal(600_000)]
     ctx.hosts[0].put("w", big)
     ctx.hosts[0].put("w2", big)
@@ -455,24 +452,6 @@ def test_buffer_puts_auto_on_loopback_waits_and_copies_nothing(guest):
     w._inflight_bytes -= 2 << 20  # (not sent: the room it took is given back by hand)
     conn = w.endpoint.connect(eps["host:10000"])
     assert conn.near and w.endpoint.round_trip_s(eps["host:10000"]) == 0.0  # (whatever its probe read)
-    res = host_result(host)
-    assert res.get("error") is None and res["w"] == res["w2"] == sha(big), res
-
-
-def test_buffer_puts_auto_copies_a_put_to_a_peer_on_the_same_host_path(guest):
-    """auto, both parties on this host with the same-host path on: once the connection is up and copies by
-    that path, a put is copied into shared memory (which the peer maps) and returns at once; the first put,
-    before any connection, waits for its bytes. A put to a party with no endpoints entry is left to the send."""
-    eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s9h", names="w,w2")
-    w = fed.fate_rdma
-    big = [np.random.default_rng(6).standard_normal(600_000)]
-    assert w._paths([HOST]) == (0.0, False)  # nothing dialed yet
-    ctx.hosts[0].put("w", big)
-    assert w.stats["buffered_puts"] == 0 and w.endpoint.by_same_host_path(eps["host:10000"])
-    assert w._paths([HOST]) == (0.0, True) and w._paths([HOST, ("host", "404")]) == (0.0, False)
-    ctx.hosts[0].put("w2", big)
-    assert w.stats["buffered_puts"] == 1 and w.put_copies.shared and w.flush(10) and w._inflight_bytes == 0
     res = host_result(host)
     assert res.get("error") is None and res["w"] == res["w2"] == sha(big), res
 

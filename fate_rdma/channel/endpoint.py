@@ -17,7 +17,6 @@ from ..errors import AuthenticationError, ConfigError, PeerUnreachable, Transfer
 from .auth import authenticate, load_secret
 from .buffers import Budget, RecvBuffers
 from .connection import Connection
-from .fedrdma_e import same_host_path
 from .posting import send_sge_limit
 from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
@@ -296,13 +295,6 @@ class Endpoint:
         if conn is None or conn.near:
             return 0.0
         return conn.probe.rtt_s or 0.0
-
-    def by_same_host_path(self, address: str) -> bool:
-        """Does the live connection to `address` move payloads by the soft provider's same-host copy (a peer
-        process of this host reading this one's memory, no wire)? False where there is none yet."""
-        with self._lock:
-            conn = self._live(address)
-        return conn is not None and same_host_path(conn)
 
     def _live(self, address: str) -> Optional[Connection]:
         """The live connection to `address`, the spare promoted if the first has ended (lock held)."""

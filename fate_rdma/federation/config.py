@@ -18,8 +18,7 @@
       buffer_puts: auto          # a put of arrays copies them (as FATE's pickling does) and returns at once while
                                  # its bytes go in the background (true), or waits until they have arrived
                                  # (false, no copy); auto: copies a put whose copy costs less than the round trip
-                                 # to its parties (bytes <= RTT x PUT_COPY_BYTES_PER_S), as small payloads on a WAN,
-                                 # and a put to parties on this host reached by the same-host path
+                                 # to its parties (bytes <= RTT x PUT_COPY_BYTES_PER_S), as small payloads on a WAN
       put_buffer_bytes: 1073741824  # buffered bytes in flight at most (then a put waits); 0: no put is buffered
       endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
         guest:9999: 10.0.0.1:18600
@@ -75,7 +74,7 @@ class RdmaFederationConfig:
     put_buffer_bytes: int = 1 << 30
     #: which puts are buffered (copied, the put returning at once): True all (within put_buffer_bytes), False
     #: none (a put waits until its bytes have arrived), "auto" those whose copy costs less than the measured
-    #: round trip to their parties, and those to parties on this host by the same-host path (buffers_put)
+    #: round trip to their parties (buffers_put)
     buffer_puts: Union[bool, str] = "auto"
     #: interface this party's endpoint binds (default: the host of its own endpoints entry)
     listen_host: Optional[str] = None
@@ -126,18 +125,14 @@ class RdmaFederationConfig:
             return self.descriptors
         return "channel" if self.proven_senders and self.fallback == "error" else "fate"
 
-    def buffers_put(self, nbytes: int, rtt_s: float, same_host: bool = False) -> bool:
+    def buffers_put(self, nbytes: int, rtt_s: float) -> bool:
         """Is a put of `nbytes` of arrays copied (and returns at once) rather than sending them and waiting
         for them to arrive, the slowest round trip to its parties being `rtt_s` (0 where none is measured, or
         the parties are processes of this host)? Under auto: where the copy costs less than the round trip
         the waiting put spends on the receiver's confirmation (the transfer itself it pays either way on a
-        link that the puts share), and wherever every party reads this one's memory by the same-host path
-        (`same_host`) into shared memory: there the peers copy from the copy at memcpy's speed instead of
-        reading private memory with process_vm_readv (2.4 x slower here), the copy is shared by the puts of
-        the same arrays to several parties, and those puts overlap. Within put_buffer_bytes only (the
-        wrapper checks the room)."""
+        link that the puts share). Within put_buffer_bytes only (the wrapper checks the room)."""
         if self.buffer_puts == "auto":
-            return same_host or nbytes <= rtt_s * PUT_COPY_BYTES_PER_S
+            return nbytes <= rtt_s * PUT_COPY_BYTES_PER_S
         return bool(self.buffer_puts)
 
     def address_of(self, party: Tuple[str, str]) -> str:

@@ -293,7 +293,7 @@ class RdmaFederation:
             self.stats["shared_puts"] += 1
             return [got[0]], got[1]
         copied = framed or not isinstance(bufs[0], bytes)  # (bytes cannot change: buffered as they are)
-        if copied and not self.cfg.buffers_put(nbytes, *self._paths(parties)):
+        if copied and not self.cfg.buffers_put(nbytes, self._rtt_s(parties)):
             return None, None
         with self._inflight_lock:
             if not limit or self._inflight_bytes + nbytes > limit:
@@ -310,13 +310,16 @@ class RdmaFederation:
         self.stats["buffered_puts"] += 1
         return [copy], Fill(nbytes, block_digest(self.cfg.channel.checksum))
 
-    def _paths(self, parties: List[Tuple[str, str]]) -> Tuple[float, bool]:
-        """The slowest round trip measured to any of `parties` (Endpoint.round_trip_s), and whether all of them
-        read this side's put copies (shared memory) by the same-host path. Nothing is dialed: a party without a
-        live connection counts 0 and not same-host; an unknown party is left to the send to report."""
-        addrs = [self.cfg.endpoints.get(party_key(tuple(p))) for p in parties]
-        near = bool(addrs) and self.put_copies.shared and all(a and self.endpoint.by_same_host_path(a) for a in addrs)
-        return max([self.endpoint.round_trip_s(a) for a in addrs if a] + [0.0]), bool(near)
+    def _rtt_s(self, parties: List[Tuple[str, str]]) -> float:
+        """The slowest round trip measured to any of `parties` (Endpoint.round_trip_s: nothing is dialed, a party
+        without a measured connection counts 0); an unknown party is left to the send to report."""
+        worst = 0.0
+        for p in parties:
+            try:
+                worst = max(worst, self.endpoint.round_trip_s(self.cfg.address_of(tuple(p))))
+            except ConfigError:
+                pass
+        return worst
 
     def _track(self, held: List[Any], futs: List[Any], nbytes: int, name: str, fill: Optional[Fill]) -> None:
         """Keep `held` until every send of one buffered put is over; then its room is free again. A send
