@@ -298,6 +298,7 @@ class QP(Resource):
             s.mr._check_open()
             if s.mr.pd is not self.pd:
                 raise UsageError("MR belongs to another protection domain")
+            s.mr._range(s.offset, s.length)  # an SGE built by hand must lie inside its MR too
         return out
 
     def _check_len(self, total: int) -> None:

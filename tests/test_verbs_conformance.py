@@ -363,6 +363,13 @@ def test_unregistered_or_foreign_buffers_rejected(pair):
         a.qp.post_send(foreign.sge())
     with pytest.raises(ev.UsageError, match="expected SGE or MR"):
         a.qp.post_send([bytearray(4)])
+    for off, n in ((a.mr.length - 8, 16), (-1, 4), (0, -1), (a.mr.length + 1, 0)):  # SGEs built by hand
+        with pytest.raises(ev.UsageError, match="outside MR"):
+            a.qp.post_send(ev.SGE(a.mr, off, n))
+        with pytest.raises(ev.UsageError, match="outside MR"):
+            a.qp.post_write([a.mr.sge(0, 8), ev.SGE(a.mr, off, n)], b.mr.remote())
+    with pytest.raises(ev.UsageError, match="outside MR"):
+        b.qp.post_recv(ev.SGE(b.mr, b.mr.length - 8, 16))
     foreign.close()
     with pytest.raises(ev.UsageError, match="closed"):
         a.qp.post_send(foreign)
