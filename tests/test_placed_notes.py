@@ -20,6 +20,7 @@ from fate_rdma.channel import Endpoint
 from fate_rdma.channel.auth import write_secret
 from fate_rdma.channel import fedrdma_e as fe
 from fate_rdma.channel.handshake import Hello
+from fate_rdma.channel.posting import same_host_path
 from fate_rdma.errors import IntegrityError
 from fate_rdma.protocol.integrity import BLOCKWISE
 from fate_rdma.protocol.frames import CtrlKind
@@ -208,7 +209,7 @@ def test_a_same_host_peer_gets_notes_only_where_cores_are_left_beside_its_copy(m
     rx, tx = _pair("soft")
     with rx, tx:
         conn = tx.connect(rx.address)
-        assert fe.same_host_path(conn) and conn.slot_sender.notes is notes
+        assert same_host_path(conn.rcs) and conn.slot_sender.notes is notes
         data = np.random.default_rng(5).integers(0, 256, 24 * MiB, dtype=np.uint8)
         tx.send(rx.address, data).result(60)
         assert crc32c.crc32c(rx.recv(timeout=30).detach()) == crc32c.crc32c(data)

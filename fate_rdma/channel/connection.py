@@ -31,12 +31,12 @@ from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bp
 from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import ControlSender, RttProbe, dispatch
 from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
-from .fedrdma_e import SlotReceiver, SlotSender, same_host_path
+from .fedrdma_e import SlotReceiver, SlotSender
 from .auth import Identity
 from .handshake import bootstrap_closed, confirm_posted, negotiate
 from .layout import RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
-from .posting import data_qp_cap, post_chunk
+from .posting import data_qp_cap, post_chunk, same_host_path
 from .transfer import Fill, Message, Payload, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
@@ -227,7 +227,7 @@ class Connection:
             o.fut.set_exception(exc)
             return True
         w = self._window()
-        le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), same_host_path(self))
+        le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), same_host_path(self.rcs))
         common = dict(now=now, first_chunk_bytes=le,
                       no_progress_s=cfg.no_progress_timeout_s, total_s=cfg.transfer_timeout_s)
         engine = self.slot_sender if mode is Mode.FEDRDMA_E else self.staged_sender

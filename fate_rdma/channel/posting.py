@@ -18,6 +18,11 @@ log = logging.getLogger("fate_rdma.channel")
 MAX_SEND_SGE = 30
 
 
+def same_host_path(rcs: List[ev.RCConnection]) -> bool:
+    """Do the data QPs `rcs` (a connection's) move payloads by the soft provider's same-host copy (no wire)?"""
+    return bool(rcs) and all(str(getattr(rc.qp, "data_path", "")).startswith("same-host") for rc in rcs)
+
+
 def data_qp_cap(max_send_sge: int) -> ev.QPCap:
     """The capabilities of the channel's data QPs."""
     return ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=max_send_sge, max_recv_sge=1)
