@@ -18,6 +18,10 @@ from .resource import Resource
 from .types import WC, DeviceInfo, QPCap, QPInfo, RemoteMR
 
 
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
+_REMOTE_WRITE_OR_ATOMIC = int(Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
+
+
 class Context(Resource):
     """An opened device (`ibv_context`)."""
 
@@ -79,10 +83,12 @@ class PD(Resource):
     def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> "MR":
         """Register `buffer` (zero copy). Remote write/read or local write need a writable buffer."""
         self._check_open()
-        access = Access(access)
-        if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
+        if type(access) is not Access:
+            access = Access(access)
+        bits = int(access)  # (int arithmetic: IntFlag's own operators build members, ~1 us a registration)
+        if bits & _REMOTE_WRITE_OR_ATOMIC and not bits & _LOCAL_WRITE:
             raise UsageError("REMOTE_WRITE requires LOCAL_WRITE (as ibv_reg_mr does)")
-        view = as_byte_view(buffer, writable=bool(access & Access.LOCAL_WRITE))
+        view = as_byte_view(buffer, writable=bool(bits & _LOCAL_WRITE))
         return self._reg_mr(buffer, view, access)
 
     def create_qp(self, send_cq: "CQ", recv_cq: Optional["CQ"] = None, cap: QPCap = QPCap()) -> "QP":

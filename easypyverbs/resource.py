@@ -53,8 +53,9 @@ class Resource(abc.ABC):
         with self._close_lock:
             if self._closed:
                 return
-            for child in sorted(list(self._children), key=lambda c: c.close_rank):
-                child.close()
+            if self._children:  # (an MR has none: most closes)
+                for child in sorted(list(self._children), key=lambda c: c.close_rank):
+                    child.close()
             try:
                 self._close_impl()
             finally:

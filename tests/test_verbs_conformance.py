@@ -68,6 +68,34 @@ def test_register_buffers_zero_copy(provider):
         mm.close()
 
 
+def test_registration_addresses_access_and_keys(provider):
+    """The address an MR names is its buffer's first byte, for writable and read-only buffers alike (two ways
+    of reading it); access may be given as a plain int; the keys of many registrations (more than the soft
+    provider draws from the OS at a time) are distinct, and a closed MR's key names nothing."""
+    require(provider)
+    from .verbs_pair import open_ctx
+
+    with open_ctx(provider) as ctx:
+        pd = ctx.alloc_pd()
+        arr = np.arange(4096, dtype=np.uint8)
+        data = bytes(range(256)) * 4
+        with pd.reg_mr(arr[100:], int(ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE)) as mr:
+            assert mr.addr == arr.ctypes.data + 100 and mr.length == 3996
+            assert isinstance(mr.access, ev.Access) and mr.access & ev.Access.REMOTE_WRITE
+        with pd.reg_mr(data, 0) as mr:  # read-only memory: local reads only
+            assert mr.addr == np.frombuffer(data, dtype=np.uint8).ctypes.data and mr.length == len(data)
+            assert bytes(mr.view(0, 4)) == data[:4]
+        many = [pd.reg_mr(bytearray(64), ev.Access.all_rdma()) for _ in range(600)]
+        keys = {m.rkey for m in many}
+        assert len(keys) == 600 and 0 not in keys
+        if provider == "soft":
+            gone = many.pop()
+            gone.close()
+            assert ctx.mr_by_rkey(gone.rkey) is None and ctx.mr_by_rkey(many[0].rkey) is many[0]
+        for m in many:
+            m.close()
+
+
 def test_register_rejects_bad_buffers(provider):
     require(provider)
     from .verbs_pair import open_ctx

@@ -22,6 +22,8 @@ Buffers = Union[bytes, bytearray, memoryview, Any, Sequence[Any]]
 #: smallest FedRDMA-E payload that `Message.detach` lends in place; below it a copy costs little and the
 #: slot is better kept circulating for the next transfer
 LEND_MIN_BYTES = 1 << 20
+#: a payload buffer's registration: local reads only (the NIC gathers it; no peer may touch it)
+_LOCAL_READ = ev.Access(0)
 
 
 class Fill:
@@ -124,7 +126,7 @@ class Payload:
                 view = ev.buffers.as_byte_view(b)
                 if view.nbytes == 0:
                     continue
-                self.mrs.append(pd.reg_mr(b, ev.Access(0)))  # local read only: works for read-only bytes too
+                self.mrs.append(pd.reg_mr(view, _LOCAL_READ))  # local read only: works for read-only bytes too
                 self.starts.append(total)
                 total += view.nbytes
         except Exception:

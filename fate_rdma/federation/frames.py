@@ -27,6 +27,8 @@ ALIGN = 64
 _HDR = struct.Struct("<8sQ")
 _PID = "fate-rdma/array"
 _KINDS = set("biufc")  # bool, signed, unsigned, float, complex
+#: built-in types pickled as they are (never arrays, tensors or FATE objects)
+_PLAIN = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes})
 
 
 class NotFramable(Exception):
@@ -44,6 +46,8 @@ class _FramePickler(pickle.Pickler):
         self.array_bytes = 0
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN:  # (called for every object pickled, the arrays' references too)
+            return None
         if isinstance(obj, np.ndarray):
             if obj.dtype.kind not in _KINDS or obj.dtype.fields is not None:
                 raise NotFramable(f"numpy dtype {obj.dtype}")

@@ -4,8 +4,10 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+import os
 import secrets
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional
@@ -23,6 +25,8 @@ from .landing import WriteDigests
 log = logging.getLogger("easypyverbs.soft")
 
 SOFT_LABEL = "soft (emulated verbs over TCP)"
+#: rkeys drawn from the OS at a time (_new_key)
+KEY_BATCH = 256
 
 
 class SoftContext(Context):
@@ -64,6 +68,7 @@ class SoftContext(Context):
         self._lock = threading.Lock()
         self._hellos = threading.BoundedSemaphore(64)  # data connections being attached at once
         self._mrs: Dict[int, "SoftMR"] = {}
+        self._keys: List[int] = []  # unused random rkeys (_new_key)
         self._qps: Dict[int, QP] = {}
         self._next_qpn = 0x100 + secrets.randbelow(0x1000)
         self._listener = socket.create_server((bind_host, 0), backlog=128)
@@ -80,14 +85,21 @@ class SoftContext(Context):
 
     # -- tables ---------------------------------------------------------------------------------
     def _new_key(self) -> int:
+        """An unused, unpredictable rkey (under `_lock`): 32 bits of the OS's randomness, drawn KEY_BATCH at a
+        time (one system call per registration was a tenth of its cost)."""
         while True:
-            k = secrets.randbits(32)
+            if not self._keys:
+                self._keys = list(struct.unpack(f"<{KEY_BATCH}I", os.urandom(4 * KEY_BATCH)))
+            k = self._keys.pop()
             if k and k not in self._mrs:
                 return k
 
-    def add_mr(self, mr: "SoftMR") -> None:
+    def register_mr(self, make: Callable[[int], "SoftMR"]) -> "SoftMR":
+        """`make(key)` with a fresh key, entered in the MR table under the same lock."""
         with self._lock:
+            mr = make(self._new_key())
             self._mrs[mr.rkey] = mr
+            return mr
 
     def remove_mr(self, mr: "SoftMR") -> None:
         with self._lock:
@@ -200,10 +212,7 @@ class SoftContext(Context):
 class _SoftPD(PD):
     def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> MR:
         ctx: SoftContext = self.ctx  # type: ignore[assignment]
-        key = ctx._new_key()
-        mr = SoftMR(self, buffer, view, access, key, key)
-        ctx.add_mr(mr)
-        return mr
+        return ctx.register_mr(lambda key: SoftMR(self, buffer, view, access, key, key))
 
     def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
         from .qp import SoftQP
@@ -260,7 +269,7 @@ class SoftMR(MR):
         bound = self._bound()
         with self._remote:
             self._revoked = True
-            if not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
+            if self._placing and not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
                 self.placing_after_close = True
                 log.error("soft MR rkey %#x closed while a remote WRITE into it was still being placed after %.0f s",
                           self.rkey, bound)
