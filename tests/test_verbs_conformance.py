@@ -6,6 +6,7 @@ and DEVICE_DIFFERENCES names who does what:
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
@@ -82,13 +83,23 @@ def test_registration_addresses_access_and_keys(provider):
         with pd.reg_mr(arr[100:], int(ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE)) as mr:
             assert mr.addr == arr.ctypes.data + 100 and mr.length == 3996
             assert isinstance(mr.access, ev.Access) and mr.access & ev.Access.REMOTE_WRITE
+        with pytest.raises(ev.UsageError, match="LOCAL_WRITE"):
+            pd.reg_mr(bytearray(8), int(ev.Access.REMOTE_WRITE))
         with pd.reg_mr(data, 0) as mr:  # read-only memory: local reads only
-            assert mr.addr == np.frombuffer(data, dtype=np.uint8).ctypes.data and mr.length == len(data)
+            assert mr.addr == ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value and mr.length == len(data)
             assert bytes(mr.view(0, 4)) == data[:4]
         many = [pd.reg_mr(bytearray(64), ev.Access.all_rdma()) for _ in range(600)]
         keys = {m.rkey for m in many}
         assert len(keys) == 600 and 0 not in keys
-        if provider == "soft":
+        if provider == "soft":  # a child made by fork() draws keys of its own, not the parent's next ones
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.write(w, ctx._new_key().to_bytes(4, "little"))
+                os._exit(0)
+            os.waitpid(pid, 0)
+            assert int.from_bytes(os.read(r, 4), "little") != ctx._new_key()
+            os.close(r), os.close(w)
             gone = many.pop()
             gone.close()
             assert ctx.mr_by_rkey(gone.rkey) is None and ctx.mr_by_rkey(many[0].rkey) is many[0]

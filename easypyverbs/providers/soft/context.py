@@ -67,8 +67,9 @@ class SoftContext(Context):
         self.retry_timeout_s = retry_timeout_s
         self._lock = threading.Lock()
         self._hellos = threading.BoundedSemaphore(64)  # data connections being attached at once
-        self._mrs: Dict[int, "SoftMR"] = {}
-        self._keys: List[int] = []  # unused random rkeys (_new_key)
+        self._mrs: Dict[int, Optional["SoftMR"]] = {}  # rkey -> MR (None: reserved, being registered)
+        self._keys: List[int] = []  # unused random rkeys (_new_key), drawn by process _keys_pid
+        self._keys_pid = 0
         self._qps: Dict[int, QP] = {}
         self._next_qpn = 0x100 + secrets.randbelow(0x1000)
         self._listener = socket.create_server((bind_host, 0), backlog=128)
@@ -86,20 +87,32 @@ class SoftContext(Context):
     # -- tables ---------------------------------------------------------------------------------
     def _new_key(self) -> int:
         """An unused, unpredictable rkey (under `_lock`): 32 bits of the OS's randomness, drawn KEY_BATCH at a
-        time (one system call per registration was a tenth of its cost)."""
+        time (one system call per registration was a tenth of its cost); a child made by fork() draws its own
+        rather than hand out the keys its parent would hand out next."""
         while True:
-            if not self._keys:
+            if not self._keys or self._keys_pid != os.getpid():
                 self._keys = list(struct.unpack(f"<{KEY_BATCH}I", os.urandom(4 * KEY_BATCH)))
+                self._keys_pid = os.getpid()
             k = self._keys.pop()
             if k and k not in self._mrs:
                 return k
 
     def register_mr(self, make: Callable[[int], "SoftMR"]) -> "SoftMR":
-        """`make(key)` with a fresh key, entered in the MR table under the same lock."""
+        """`make(key)` with a fresh key, entered in the MR table. The key is reserved under the lock and the MR
+        built outside it (the responders take the lock for every request; and a collection during the build
+        may run finalizers that take it)."""
         with self._lock:
-            mr = make(self._new_key())
-            self._mrs[mr.rkey] = mr
-            return mr
+            key = self._new_key()
+            self._mrs[key] = None  # reserved: names no MR yet (mr_by_rkey)
+        try:
+            mr = make(key)
+        except BaseException:
+            with self._lock:
+                self._mrs.pop(key, None)
+            raise
+        with self._lock:
+            self._mrs[key] = mr
+        return mr
 
     def remove_mr(self, mr: "SoftMR") -> None:
         with self._lock:
