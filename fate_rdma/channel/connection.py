@@ -105,6 +105,8 @@ class Connection:
             for k in range(RECV_DEPTH):
                 self._post_recv(i, k)
         confirm_posted(boot, t)
+        #: the data QPs copy payloads by the soft provider's same-host path (fixed once they are connected)
+        self.same_host_copy = same_host_path(self.rcs)
         if peer.staging is not None:
             st = self.remote.get("staging")
             if st is None or st.length < peer.staging.count * peer.staging.buf_bytes:
@@ -227,7 +229,7 @@ class Connection:
             o.fut.set_exception(exc)
             return True
         w = self._window()
-        le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), same_host_path(self.rcs))
+        le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), self.same_host_copy)
         common = dict(now=now, first_chunk_bytes=le,
                       no_progress_s=cfg.no_progress_timeout_s, total_s=cfg.transfer_timeout_s)
         engine = self.slot_sender if mode is Mode.FEDRDMA_E else self.staged_sender

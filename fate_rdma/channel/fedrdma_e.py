@@ -35,7 +35,6 @@ from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
 from .checksum import block_checksums_async, payload_checksum_async, payload_digest, payload_digest_with
 from .handshake import PoolOffer
-from .posting import same_host_path
 
 if TYPE_CHECKING:
     from .connection import Connection, Outgoing
@@ -77,7 +76,7 @@ class SlotSender:
         #: checksums only compete with the copy (1 GiB on 2 cores: 0.215 / 0.221 s with notes, 0.197 / 0.211
         #: s without, `bench transfer`, 2026-11-25)
         self.notes = bool(getattr(conn.peer_hello, "placed_notes", False)) and not (
-            same_host_path(conn.rcs) and (os.cpu_count() or 1) < SAME_HOST_NOTE_MIN_CPUS)
+            conn.same_host_copy and (os.cpu_count() or 1) < SAME_HOST_NOTE_MIN_CPUS)
 
     def machine(self, o: "Outgoing", window: int, common: Dict[str, float]) -> Optional[P.FedRdmaESender]:
         """A machine for `o` in the next free slot, or None while no slot is free (wait for CREDIT). A
@@ -94,7 +93,7 @@ class SlotSender:
         o.slot = slot
         tid, cfg = o.fut.transfer_id, self.conn.cfg
         m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total,
-                             slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, same_host_path(self.conn.rcs)), window,
+                             slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, self.conn.same_host_copy), window,
                              slot_payload_bytes=self.offer.slot_payload_bytes, room_bytes=self.ring.capacity[slot],
                              header_after_all=self.conn.active_qps > 1, **common)
         if m.state is P.fedrdma.SendState.GROWING:
