@@ -251,6 +251,36 @@ def test_unreachable_peer_is_named(provider):
             ep.send("127.0.0.1:9", b"x")
 
 
+def test_a_peer_that_closes_every_handshake_is_retried_then_named_with_the_tries():
+    """A listener that takes each connection and closes it before answering (as an endpoint at its cap of
+    pending handshakes does): the dial is tried again within connect_timeout_s, then fails naming the
+    address and how many connections the peer closed."""
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    taken = []
+
+    def close_all():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            taken.append(1)
+            c.close()
+
+    threading.Thread(target=close_all, daemon=True).start()
+    addr = f"127.0.0.1:{srv.getsockname()[1]}"
+    try:
+        with Endpoint(cfg_for("fedrdma-e", "soft", connect_timeout_s=1.0)) as ep:
+            with pytest.raises(E.PeerUnreachable, match=rf"{addr}: .*(closed|lost).*\(connection \d+ in [\d.]+ s; the peer "
+                                                        r"closed each one before it"):
+                ep.connect(addr)
+    finally:
+        srv.close()
+    assert len(taken) >= 3
+
+
 def test_three_concurrent_senders_progress_fairly(mode, provider):
     cfg = cfg_for(mode, provider)
     peer = Peer(cfg)

@@ -65,7 +65,12 @@ def guest(tmp_path):
             fed.fate_rdma.close()
         if host.poll() is None:
             host.kill()
-        host.wait()
+        try:  # the host's own account (its log), shown by pytest under the test's teardown when it failed
+            out, err = host.communicate(timeout=10)
+        except (ValueError, subprocess.TimeoutExpired):  # read already (host_result)
+            host.wait()
+        else:
+            print(f"host party (exit {host.returncode}), its stderr:\n{(err or '')[-4000:]}")
 
 
 def host_result(host):

@@ -226,8 +226,10 @@ class Endpoint:
                 if conn is not None:
                     return conn
             host, _, port = address.rpartition(":")
-            deadline = time.monotonic() + self.config.connect_timeout_s
+            started = time.monotonic()
+            deadline, tries = started + self.config.connect_timeout_s, 0
             while True:
+                tries += 1
                 try:
                     boot = ev.connect(host, int(port), timeout_s=max(0.1, deadline - time.monotonic()))
                 except (ev.EasyVerbsError, OSError, ValueError) as exc:
@@ -248,7 +250,9 @@ class Endpoint:
                     if ("closed" in str(exc) or "connection lost" in str(exc)) and time.monotonic() + 0.2 < deadline:
                         time.sleep(0.2)
                         continue
-                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+                    again = (f" (connection {tries} in {time.monotonic() - started:.1f} s; the peer closed each one "
+                             f"before it during the handshake)" if tries > 1 else "")
+                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}{again}") from exc
                 except BaseException:
                     boot.close()
                     raise
