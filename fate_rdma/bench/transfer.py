@@ -58,7 +58,7 @@ from ..channel.transfer import Fill
 from ..config import ChannelConfig
 from ..protocol.integrity import BLOCK_BYTES
 from . import mooncake
-from .cpu import cpu_s, per_gb
+from .cpu import ceiling as cpu_ceiling, cpu_s, per_gb, usable_cores
 from .driver import PeerProcess, RawTcp
 from .report import emit, human_bytes, median, table
 
@@ -411,6 +411,10 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
     elif raw and t:
         print(f"over loopback TCP (soft provider, emulated, as between hosts, checksum {t.get('checksum')}): "
               f"fedrdma-e / raw TCP throughput = {x_raw(t, raw)} (target >= 0.95)")
+    if raw and t:
+        line = cpu_ceiling(t, raw, nbytes, usable_cores())
+        if line:
+            print(f"over loopback TCP, checksum {t.get('checksum')}: {line}")
     for r in rows:  # a buffered put's copy overlapped against copy-then-send, in the same scenario and window
         if r["method"].startswith("fedrdma-e put: copy overlapped") and r.get("seconds"):
             serial = next((x for x in rows if x["scenario"] == r["scenario"] and x.get("tls") == r.get("tls")
