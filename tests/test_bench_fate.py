@@ -75,6 +75,45 @@ def test_wait_until_sleeps_to_the_instant_and_reports_lateness():
     assert t <= wait_until(late) <= time.monotonic()  # learned of it late: starts now, does not sleep
 
 
+def test_the_arrays_baseline_splits_the_integration_from_the_payloads_shape(capsys):
+    """--channel-alone-arrays: fate-rdma / the arrays baseline (the integration's own cost) and the arrays
+    baseline / the one-buffer one (the payload's memory and shape), medians of the pairs' own ratios, with
+    no target; the target's verdict stays against the one buffer."""
+    from fate_rdma.bench.fate_federation import verdicts
+
+    def row(method, pair, seconds):
+        return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "same-host", "tensors": 148,
+                "payload": "gpt2-full", "scale": 0.25, "emulated": True}
+
+    rows = [row("fate-rdma", 1, 0.30), row("channel-alone", 1, 0.15), row("channel-alone-arrays", 1, 0.25),
+            row("fate-rdma", 2, 0.26), row("channel-alone", 2, 0.20), row("channel-alone-arrays", 2, 0.20),
+            row("fate-rdma", 3, 0.27), row("channel-alone", 3, 0.16), row("channel-alone-arrays", 3, 0.24)]
+    lines = verdicts(rows, "same-host")
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    integ, deco = out
+    assert integ["fate_rdma_over_channel_alone"] == pytest.approx(1.6875) and integ["met"] is False
+    # fate-rdma / arrays: 1.2, 1.3, 1.125 -> 1.2; arrays / one buffer: 5/3, 1.0, 1.5 -> 1.5
+    assert deco["fate_rdma_over_channel_alone_arrays"] == pytest.approx(1.2)
+    assert deco["channel_alone_arrays_over_channel_alone"] == pytest.approx(1.5)
+    assert deco["summary"] == "decomposition" and "target" not in deco and deco["tensors"] == 148
+    assert "(148 private arrays each way) 0.24 s: fate-rdma's round is 1.20x that" in lines[1]
+    assert "1.50x the one-buffer baseline" in lines[1] and "not an RDMA figure" in lines[1]
+    assert len(verdicts([r for r in rows if r["method"] != "channel-alone-arrays"], "same-host")) == 1
+
+
+def test_channel_alone_sends_private_arrays_of_the_given_sizes():
+    """The arrays baseline moves the same bytes as private arrays; sizes that do not add up are refused."""
+    from fate_rdma.bench.fate_federation import payload_pieces
+
+    up, down = payload_pieces(0.25, 0)
+    assert len(up) == len(down) == 148 and all(u == 2 * d for u, d in zip(up, down))
+    got = channel_alone.measure({"mode": "fedrdma-e", "provider": "soft", "window": "auto"}, 96 << 10, 48 << 10,
+                                rounds=2, timeout=60, pieces=([64 << 10, 32 << 10], [32 << 10, 16 << 10]))
+    assert len(got["round_seconds_all"]) == 2
+    with pytest.raises(ValueError, match="pieces sum to"):
+        channel_alone.measure({}, 96 << 10, 48 << 10, pieces=([64 << 10], [48 << 10]))
+
+
 def test_channel_alone_rounds_run_from_the_named_instant_not_before_it():
     """Each round is timed from the instant the arbiter names (START_LEAD_S ahead), so the lead is not in it:
     a round of 64 KiB up / 32 KiB down takes milliseconds, far less than the lead."""

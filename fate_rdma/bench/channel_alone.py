@@ -5,6 +5,11 @@ fate_job.wait_until), both clients send their upload to the arbiter at once;
 when it holds both, the arbiter sends the download to each; the round ends when both clients hold it.
 No FATE, no serialization, no aggregation: what `bench fate`'s fate-rdma round would cost if the
 integration added nothing. Round time = the slower client's; median over rounds.
+
+The payload lies where the FATE wrapper's put copies go (one buffer, in shared memory when the same-host
+path is on: the strictest baseline), or, with `pieces`, in private arrays of the given sizes (one
+allocation each, as a FATE job's tensors are): what the channel needs for the payload in the shape and
+memory FATE's put hands it, so that fate-rdma's round against this one is the integration's own cost.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import os
 import queue
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .fate_federation import free_ports
 from .fate_job import START_LEAD_S, wait_until
@@ -22,23 +27,37 @@ from .report import median
 ROLES = ("guest", "host", "arbiter")
 
 
-def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, down: int, rounds: int,
-           barrier: Any, start_at: Any, results: Any, timeout: float) -> None:
-    from ..channel import Endpoint
+def _payload(nbytes: int, sizes: Optional[Sequence[int]], shared: bool, value: int) -> Any:
+    """One buffer of `nbytes` (in shared memory if `shared`), or private arrays of `sizes` bytes, filled."""
+    import numpy as np
+
     from ..channel.buffers import fresh
+
+    if sizes is None:
+        payload = fresh(nbytes, shared)
+        payload.fill(value)
+        return payload
+    return [np.full(n, value, dtype=np.uint8) for n in sizes]
+
+
+def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, down: int, rounds: int,
+           barrier: Any, start_at: Any, results: Any, timeout: float,
+           pieces: Optional[Tuple[List[int], List[int]]] = None) -> None:
+    from ..channel import Endpoint
     from ..config import ChannelConfig
 
     try:
         host, _, port = addrs[role].rpartition(":")
         with Endpoint(ChannelConfig(**config), host, int(port), name=addrs[role]) as ep:
             arbiter = addrs["arbiter"]
-            # the payload where the FATE wrapper puts its copies: shared memory when the same-host path is on
-            payload = fresh(down if role == "arbiter" else up, ep.same_host_capable)
+            # the payload where the FATE wrapper puts its copies (shared memory when the same-host path is
+            # on), or in private arrays of the given sizes
+            payload = _payload(down if role == "arbiter" else up, None if pieces is None else
+                               pieces[1 if role == "arbiter" else 0], ep.same_host_capable,
+                               {"arbiter": 7, "guest": 1}.get(role, 2))
             if role == "arbiter":
-                payload.fill(7)
                 clients = [addrs["guest"], addrs["host"]]
             else:
-                payload.fill(1 if role == "guest" else 2)
                 ep.connect(arbiter)  # connection set-up is not part of a round (the FATE job connects once too)
             times: List[float] = []
             late = 0.0
@@ -95,10 +114,15 @@ def _collect(procs: List[Any], results: Any, got: Dict[str, List[float]], lates:
 
 
 def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int = 3,
-            timeout: float = 600.0) -> Dict[str, Any]:
+            timeout: float = 600.0, pieces: Optional[Tuple[List[int], List[int]]] = None) -> Dict[str, Any]:
     """Run the three parties; returns {"round_seconds": median, "round_seconds_all": [...],
     "start_late_seconds": the most a client learned of a round's start late (fate_job.wait_until)}.
-    `config`: ChannelConfig fields (a per-run secret is added when none is given)."""
+    `config`: ChannelConfig fields (a per-run secret is added when none is given). `pieces`: (upload,
+    download) array sizes in bytes, summing to `up_bytes` and `down_bytes`: send private arrays of those
+    sizes instead of one buffer each way."""
+    if pieces is not None and (sum(pieces[0]) != up_bytes or sum(pieces[1]) != down_bytes):
+        raise ValueError(f"channel alone: the pieces sum to {sum(pieces[0])} / {sum(pieces[1])} bytes, "
+                         f"not {up_bytes} / {down_bytes}")
     from ..channel.auth import write_secret
 
     ctx = multiprocessing.get_context("spawn")
@@ -110,7 +134,8 @@ def measure(config: Dict[str, Any], up_bytes: int, down_bytes: int, rounds: int 
         addrs = {r: f"127.0.0.1:{p}" for r, p in zip(ROLES, free_ports(len(ROLES)))}
         barrier, start_at, results = ctx.Barrier(len(ROLES)), ctx.Value("d", 0.0), ctx.Queue()
         procs = [ctx.Process(target=_party, args=(r, config, addrs, up_bytes, down_bytes, rounds, barrier, start_at,
-                                                  results, timeout), name=f"channel-alone-{r}", daemon=True) for r in ROLES]
+                                                  results, timeout, pieces), name=f"channel-alone-{r}", daemon=True)
+                 for r in ROLES]
         for p in procs:
             p.start()
         got: Dict[str, List[float]] = {}

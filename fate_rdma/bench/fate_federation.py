@@ -76,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-channel-alone", dest="channel_alone", action="store_false",
                    help="skip the baseline run beside every fate-rdma job: the same bytes between three processes "
                         "through the channel alone (no FATE), to show what the integration adds")
+    p.add_argument("--channel-alone-arrays", action="store_true",
+                   help="beside each channel-alone baseline (one buffer each way, in shared memory on the same-host "
+                        "path: the strictest), a second with the payload as FATE's put hands it over: private arrays "
+                        "of the job's tensor sizes (148 at GPT-2 full). fate-rdma's round against it is the "
+                        "integration's own cost; the first baseline against it, what the payload's memory and shape "
+                        "cost the channel. The target's verdict stays against the first")
 
 
 #: peak memory of FATE's own path, all three parties, per byte of one client's upload (measured here:
@@ -96,15 +102,7 @@ def _available_bytes() -> int:
 
 
 def _upload_bytes(scale: float, lora_rank: int) -> int:
-    from .fate_job import scaled_shapes
-
-    n = 0
-    for s in scaled_shapes(scale, lora_rank):
-        k = 1
-        for d in s:
-            k *= d
-        n += k
-    return 16 * n
+    return sum(payload_pieces(scale, lora_rank)[0])
 
 
 def fitting_scale(per_byte: float, budget: int) -> float:
@@ -183,14 +181,32 @@ def _conf(path: str, args: argparse.Namespace, upload: int, data_path: str = "tc
         json.dump({"fate_rdma": sec}, f)
 
 
-def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: int, data_path: str) -> Dict[str, Any]:
+def payload_pieces(scale: float, lora_rank: int) -> Tuple[List[int], List[int]]:
+    """The byte sizes of the arrays of a `bench fate` round: each client's upload (FATE's secure aggregation
+    mixes each float64 tensor into 16 bytes a parameter) and the arbiter's download (8 bytes a parameter)."""
+    from .fate_job import scaled_shapes
+
+    numels = []
+    for s in scaled_shapes(scale, lora_rank):
+        k = 1
+        for d in s:
+            k *= d
+        numels.append(k)
+    return [16 * k for k in numels], [8 * k for k in numels]
+
+
+def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: int, data_path: str,
+                       arrays: bool = False) -> Dict[str, Any]:
     from . import channel_alone
 
+    pieces = payload_pieces(row["scale"], row["lora_rank"]) if arrays else None
+    shape = f"as {len(pieces[0])} private arrays each way" if pieces else "as one buffer each way"
     print(f"# channel alone: {human_bytes(row['up_bytes'])} up / {human_bytes(row['down_bytes'])} down per client, "
-          f"three processes, path {data_path}", file=sys.stderr, flush=True)
+          f"{shape}, three processes, path {data_path}", file=sys.stderr, flush=True)
     got = channel_alone.measure(_channel_fields(args, row["up_bytes"], data_path), row["up_bytes"], row["down_bytes"],
-                                rounds, timeout=args.timeout)
-    return dict(row, method="channel-alone", descriptors="-", buffer_puts="-", round_comm_seconds=got["round_seconds"],
+                                rounds, timeout=args.timeout, pieces=pieces)
+    return dict(row, method="channel-alone-arrays" if arrays else "channel-alone", descriptors="-", buffer_puts="-",
+                round_comm_seconds=got["round_seconds"],
                 round_comm_seconds_all=got["round_seconds_all"], start_late_seconds=got["start_late_seconds"],
                 peak_rss_bytes=0, arbiter_peak_rss_bytes=0,
                 aggregate_seconds=0.0, breakdown=None)
@@ -333,7 +349,28 @@ def verdicts(rows: List[Dict[str, Any]], data_path: str) -> List[str]:
         else:
             lines.append(f"{first['payload']} at scale {first['scale']:g}, path {data_path}: fate-rdma round {a:.2f} s, "
                          f"the channel alone {b:.2f} s for the same bytes: {ratio:.2f}x{each} ({verdict}){tag}")
+    lines += _decomposition(rows, data_path, first, tag)
     return lines
+
+
+def _decomposition(rows: List[Dict[str, Any]], data_path: str, first: Dict[str, Any], tag: str) -> List[str]:
+    """With the second baseline (--channel-alone-arrays): fate-rdma's round against the channel alone sending
+    the payload as FATE's put hands it over (the integration's own cost), and that baseline against the one
+    buffer (what the payload's memory and shape cost the channel). No target: a decomposition of the first."""
+    own, shape = pair_ratios(rows, data_path, "fate-rdma", "channel-alone-arrays"), \
+        pair_ratios(rows, data_path, "channel-alone-arrays", "channel-alone")
+    if not own or not shape:
+        return []
+    x_own, x_shape = median([g[0] for g in own]), median([g[0] for g in shape])
+    arrays = median([g[2] for g in own])
+    n = next(r["tensors"] for r in rows if r["method"] == "fate-rdma")
+    emit({"bench": "fate", "summary": "decomposition", "payload": first["payload"], "scale": first["scale"],
+          "path": data_path, "fate_rdma_over_channel_alone_arrays": x_own,
+          "channel_alone_arrays_over_channel_alone": x_shape, "pairs": len(own), "tensors": n, "emulated": "[soft" in tag})
+    return [f"{first['payload']} at scale {first['scale']:g}, path {data_path}: the channel alone sending the payload "
+            f"as FATE's put hands it over ({n} private arrays each way) {arrays:.2f} s: fate-rdma's round is "
+            f"{x_own:.2f}x that (the integration's own cost), and it is {x_shape:.2f}x the one-buffer baseline (what the "
+            f"payload's memory and shape cost the channel; medians of {len(own)} pair(s), no target){tag}"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -399,9 +436,10 @@ def run(args: argparse.Namespace) -> int:
                     emit(row)
                     rows.append(row)
                     if method == "fate-rdma" and args.channel_alone:
-                        base_row = _channel_alone_row(row, args, rounds, data_path)
-                        emit(base_row)
-                        rows.append(base_row)
+                        for arrays in (False, True) if args.channel_alone_arrays else (False,):
+                            base_row = _channel_alone_row(row, args, rounds, data_path, arrays)
+                            emit(base_row)
+                            rows.append(base_row)
     for r in rows:
         r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
         r["peak_rss"] = human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-"
