@@ -96,6 +96,7 @@ def test_the_arrays_baseline_splits_the_integration_from_the_payloads_shape(caps
     assert deco["fate_rdma_over_channel_alone_arrays"] == pytest.approx(1.2)
     assert deco["channel_alone_arrays_over_channel_alone"] == pytest.approx(1.5)
     assert deco["summary"] == "decomposition" and "target" not in deco and deco["tensors"] == 148
+    assert deco["per_pair"] == [1.2, 1.3, 1.125] and deco["emulated"] is True
     assert "(148 private arrays each way) 0.24 s: fate-rdma's round is 1.20x that" in lines[1]
     assert "1.50x the one-buffer baseline" in lines[1] and "not an RDMA figure" in lines[1]
     assert len(verdicts([r for r in rows if r["method"] != "channel-alone-arrays"], "same-host")) == 1

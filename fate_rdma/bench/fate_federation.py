@@ -349,11 +349,12 @@ def verdicts(rows: List[Dict[str, Any]], data_path: str) -> List[str]:
         else:
             lines.append(f"{first['payload']} at scale {first['scale']:g}, path {data_path}: fate-rdma round {a:.2f} s, "
                          f"the channel alone {b:.2f} s for the same bytes: {ratio:.2f}x{each} ({verdict}){tag}")
-    lines += _decomposition(rows, data_path, first, tag)
+    lines += _decomposition(rows, data_path, first, emu, tag)
     return lines
 
 
-def _decomposition(rows: List[Dict[str, Any]], data_path: str, first: Dict[str, Any], tag: str) -> List[str]:
+def _decomposition(rows: List[Dict[str, Any]], data_path: str, first: Dict[str, Any], emu: bool,
+                   tag: str) -> List[str]:
     """With the second baseline (--channel-alone-arrays): fate-rdma's round against the channel alone sending
     the payload as FATE's put hands it over (the integration's own cost), and that baseline against the one
     buffer (what the payload's memory and shape cost the channel). No target: a decomposition of the first."""
@@ -366,7 +367,9 @@ def _decomposition(rows: List[Dict[str, Any]], data_path: str, first: Dict[str, 
     n = next(r["tensors"] for r in rows if r["method"] == "fate-rdma")
     emit({"bench": "fate", "summary": "decomposition", "payload": first["payload"], "scale": first["scale"],
           "path": data_path, "fate_rdma_over_channel_alone_arrays": x_own,
-          "channel_alone_arrays_over_channel_alone": x_shape, "pairs": len(own), "tensors": n, "emulated": "[soft" in tag})
+          "channel_alone_arrays_over_channel_alone": x_shape, "pairs": len(own),
+          "per_pair": [round(g[0], 4) for g in own], "per_pair_arrays_over_channel_alone": [round(g[0], 4) for g in shape],
+          "tensors": n, "emulated": emu})
     return [f"{first['payload']} at scale {first['scale']:g}, path {data_path}: the channel alone sending the payload "
             f"as FATE's put hands it over ({n} private arrays each way) {arrays:.2f} s: fate-rdma's round is "
             f"{x_own:.2f}x that (the integration's own cost), and it is {x_shape:.2f}x the one-buffer baseline (what the "
