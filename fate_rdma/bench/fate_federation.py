@@ -320,6 +320,11 @@ def pair_ratios(rows: List[Dict[str, Any]], data_path: str, num: str, den: str) 
     return out
 
 
+def _secs(x: float) -> str:
+    """A round's time for a verdict line: seconds, or milliseconds below 0.1 s (LoRA's small ranks)."""
+    return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
+
+
 def verdicts(rows: List[Dict[str, Any]], data_path: str) -> List[str]:
     """The targets' verdicts for one case (`rows`: one scale and rank, every repetition) on `data_path`:
     FATE / fate-rdma and fate-rdma / the channel alone, each the median of the repetitions' own ratios
@@ -345,10 +350,10 @@ def verdicts(rows: List[Dict[str, Any]], data_path: str) -> List[str]:
         verdict = f"target {'>=' if above else '<='} {target:g}x: {'met' if met else 'NOT met'}"
         if above:
             lines.append(f"{first['payload']} at scale {first['scale']:g}, fate-rdma path {data_path}: communication per "
-                         f"round FATE {a:.2f} s, fate-rdma {b:.2f} s: {ratio:.1f}x less{each} ({verdict}){tag}")
+                         f"round FATE {_secs(a)}, fate-rdma {_secs(b)}: {ratio:.1f}x less{each} ({verdict}){tag}")
         else:
-            lines.append(f"{first['payload']} at scale {first['scale']:g}, path {data_path}: fate-rdma round {a:.2f} s, "
-                         f"the channel alone {b:.2f} s for the same bytes: {ratio:.2f}x{each} ({verdict}){tag}")
+            lines.append(f"{first['payload']} at scale {first['scale']:g}, path {data_path}: fate-rdma round {_secs(a)}, "
+                         f"the channel alone {_secs(b)} for the same bytes: {ratio:.2f}x{each} ({verdict}){tag}")
     lines += _decomposition(rows, data_path, first, emu, tag)
     return lines
 
@@ -371,7 +376,7 @@ def _decomposition(rows: List[Dict[str, Any]], data_path: str, first: Dict[str, 
           "per_pair": [round(g[0], 4) for g in own], "per_pair_arrays_over_channel_alone": [round(g[0], 4) for g in shape],
           "tensors": n, "emulated": emu})
     return [f"{first['payload']} at scale {first['scale']:g}, path {data_path}: the channel alone sending the payload "
-            f"as FATE's put hands it over ({n} private arrays each way) {arrays:.2f} s: fate-rdma's round is "
+            f"as FATE's put hands it over ({n} private arrays each way) {_secs(arrays)}: fate-rdma's round is "
             f"{x_own:.2f}x that (the integration's own cost), and it is {x_shape:.2f}x the one-buffer baseline (what the "
             f"payload's memory and shape cost the channel; medians of {len(own)} pair(s), no target){tag}"]
 
