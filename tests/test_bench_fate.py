@@ -96,7 +96,8 @@ def test_the_arrays_baseline_splits_the_integration_from_the_payloads_shape(caps
     assert deco["fate_rdma_over_channel_alone_arrays"] == pytest.approx(1.2)
     assert deco["channel_alone_arrays_over_channel_alone"] == pytest.approx(1.5)
     assert deco["summary"] == "decomposition" and "target" not in deco and deco["tensors"] == 148
-    assert deco["per_pair"] == [1.2, 1.3, 1.125] and deco["emulated"] is True
+    assert deco["per_pair_fate_rdma_over_arrays"] == [1.2, 1.3, 1.125] and deco["emulated"] is True
+    assert [round(x, 4) for x in deco["per_pair_arrays_over_channel_alone"]] == [1.6667, 1.0, 1.5]
     assert "(148 private arrays each way) 0.24 s: fate-rdma's round is 1.20x that" in lines[1]
     assert "1.50x the one-buffer baseline" in lines[1] and "not an RDMA figure" in lines[1]
     assert len(verdicts([r for r in rows if r["method"] != "channel-alone-arrays"], "same-host")) == 1
@@ -108,11 +109,26 @@ def test_channel_alone_sends_private_arrays_of_the_given_sizes():
 
     up, down = payload_pieces(0.25, 0)
     assert len(up) == len(down) == 148 and all(u == 2 * d for u, d in zip(up, down))
+    arrays = channel_alone._payload(96 << 10, [64 << 10, 32 << 10], False, 1)
+    assert [(a.dtype.name, a.nbytes, int(a[0]), int(a[-1])) for a in arrays] == [("uint8", 64 << 10, 1, 1),
+                                                                               ("uint8", 32 << 10, 1, 1)]
+    assert channel_alone._payload(96 << 10, None, False, 7).nbytes == 96 << 10
     got = channel_alone.measure({"mode": "fedrdma-e", "provider": "soft", "window": "auto"}, 96 << 10, 48 << 10,
                                 rounds=2, timeout=60, pieces=([64 << 10, 32 << 10], [32 << 10, 16 << 10]))
     assert len(got["round_seconds_all"]) == 2
     with pytest.raises(ValueError, match="pieces sum to"):
         channel_alone.measure({}, 96 << 10, 48 << 10, pieces=([64 << 10], [48 << 10]))
+
+
+def test_the_arrays_baseline_without_the_first_is_refused(capsys):
+    import argparse
+
+    from fate_rdma.bench import fate_federation
+
+    p = argparse.ArgumentParser()
+    fate_federation.add_arguments(p)
+    assert fate_federation.run(p.parse_args(["--no-channel-alone", "--channel-alone-arrays"])) == 2
+    assert "cannot go with --no-channel-alone" in capsys.readouterr().err
 
 
 def test_channel_alone_rounds_run_from_the_named_instant_not_before_it():

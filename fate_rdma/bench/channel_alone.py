@@ -21,7 +21,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .fate_federation import free_ports
-from .fate_job import START_LEAD_S, wait_until
+from .fate_job import FIRST_LEAD_S, START_LEAD_S, wait_until
 from .report import median
 
 ROLES = ("guest", "host", "arbiter")
@@ -61,9 +61,9 @@ def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, do
                 ep.connect(arbiter)  # connection set-up is not part of a round (the FATE job connects once too)
             times: List[float] = []
             late = 0.0
-            for _ in range(rounds):
-                if role == "arbiter":
-                    start_at.value = time.monotonic() + START_LEAD_S  # read by the clients once past the barrier
+            for i in range(rounds):
+                if role == "arbiter":  # (the first round's lead as in the FATE job beside it)
+                    start_at.value = time.monotonic() + (START_LEAD_S if i else FIRST_LEAD_S)  # read by the clients once past the barrier
                 barrier.wait(timeout)
                 start = wait_until(start_at.value)
                 if role != "arbiter":  # (a late arbiter starts no upload)

@@ -36,20 +36,22 @@ def usable_cores() -> int:
 def ceiling(row: Dict[str, Any], raw: Dict[str, Any], nbytes: int, cores: int) -> Optional[str]:
     """Where CPU bounds a method against raw TCP on this machine: raw TCP's CPU seconds per GB (both sides)
     and how many of the `cores` it kept busy, the method's CPU per GB, and, when raw TCP kept most of the
-    cores busy (it is CPU-bound here, as on loopback with two cores), the throughput ratio the method can
-    reach at most with its CPU per GB (raw's / the method's: each GB costs it that much more of the same
-    cores). None when a side's CPU was not measured."""
+    cores busy (CPU-bound, as on loopback with two cores), two bounds on the method's throughput ratio to
+    raw TCP that its CPU per GB sets: at the CPU use raw TCP had (raw's CPU per GB / the method's), and
+    with every core busy (that times cores / busy): the most it could reach here. None when a side's CPU
+    was not measured."""
     try:
         raw_cpu = raw["cpu_send_s_per_gb"] + raw["cpu_recv_s_per_gb"]
         cpu = row["cpu_send_s_per_gb"] + row["cpu_recv_s_per_gb"]
         busy = raw_cpu * (nbytes / GB) / raw["seconds"]
     except (KeyError, TypeError, ZeroDivisionError):
         return None
-    if not raw_cpu or not cpu:
+    if not raw_cpu or not cpu or busy <= 0:
         return None
     head = (f"CPU per GB, both sides: raw TCP {raw_cpu:.3f} s ({busy:.1f} of {cores} cores busy while it ran), "
             f"{row['method']} {cpu:.3f} s ({cpu / raw_cpu:.2f} x)")
     if busy < 0.6 * cores:
         return head + ": raw TCP did not keep the cores busy, CPU is not what bounds the ratio here"
-    return (head + f": raw TCP is CPU-bound on this machine, so {row['method']} can reach at most about "
-            f"{raw_cpu / cpu:.2f} x its throughput here (a machine with idle cores would not bind it so)")
+    same, full = raw_cpu / cpu, raw_cpu / cpu * cores / busy
+    return (head + f": raw TCP is CPU-bound on this machine, so {row['method']}'s CPU per GB allows about "
+            f"{same:.2f} x its throughput at the same CPU use and at most {full:.2f} x with all {cores} cores busy")

@@ -373,7 +373,8 @@ def _decomposition(rows: List[Dict[str, Any]], data_path: str, first: Dict[str, 
     emit({"bench": "fate", "summary": "decomposition", "payload": first["payload"], "scale": first["scale"],
           "path": data_path, "fate_rdma_over_channel_alone_arrays": x_own,
           "channel_alone_arrays_over_channel_alone": x_shape, "pairs": len(own),
-          "per_pair": [round(g[0], 4) for g in own], "per_pair_arrays_over_channel_alone": [round(g[0], 4) for g in shape],
+          "per_pair_fate_rdma_over_arrays": [round(g[0], 4) for g in own],
+          "per_pair_arrays_over_channel_alone": [round(g[0], 4) for g in shape],
           "tensors": n, "emulated": emu})
     return [f"{first['payload']} at scale {first['scale']:g}, path {data_path}: the channel alone sending the payload "
             f"as FATE's put hands it over ({n} private arrays each way) {_secs(arrays)}: fate-rdma's round is "
@@ -391,6 +392,10 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in methods if m not in ("fate", "fate-rdma")]
     if bad or not methods:
         print(f"bench fate: unknown method(s) {bad}; use fate, fate-rdma", file=sys.stderr)
+        return 2
+    if args.channel_alone_arrays and not args.channel_alone:
+        print("bench fate: --channel-alone-arrays is a second channel-alone baseline; it cannot go with "
+              "--no-channel-alone", file=sys.stderr)
         return 2
     if args.scale is not None and not 0 < args.scale <= 1:
         print("bench fate: --scale must be in (0, 1]", file=sys.stderr)
@@ -444,7 +449,9 @@ def run(args: argparse.Namespace) -> int:
                     emit(row)
                     rows.append(row)
                     if method == "fate-rdma" and args.channel_alone:
-                        for arrays in (False, True) if args.channel_alone_arrays else (False,):
+                        # (the two baselines' order alternates with the pairs, as the methods' does)
+                        for arrays in ((False, True) if pair % 2 == 0 else (True, False)) if args.channel_alone_arrays \
+                                else (False,):
                             base_row = _channel_alone_row(row, args, rounds, data_path, arrays)
                             emit(base_row)
                             rows.append(base_row)

@@ -102,7 +102,7 @@ def run(ctx) -> None:
     """Secure aggregation exactly as FATE's SecureAggregatorClient/Server do it (same names, same
     payloads), with the compute (masking, summing) kept out of the timed part: per round, the clients
     mix their weights first, then all three meet at a small barrier: the arbiter names an instant
-    START_LEAD_S ahead, both clients start their upload at it, and the clock runs from it (from the
+    START_LEAD_S ahead (FIRST_LEAD_S in the first round), both clients start their upload at it, and the clock runs from it (from the
     start message's arrival where that came later: wait_until) until each client holds the unpickled
     average, less the arbiter's summing time. (Timed from each client's receipt of a plain "go"
     instead, a round also counted the gap between the two receipts, some milliseconds here, the second

@@ -50,6 +50,15 @@ def _hold_reporter(ref: "weakref.ReferenceType[Endpoint]") -> Callable[[float, f
     return report
 
 
+
+def _tries(tries: int, started: float) -> str:
+    """What a failed dial adds about its earlier attempts (each closed by the peer during the handshake)."""
+    if tries <= 1:
+        return ""
+    before = "the attempt" if tries == 2 else f"the {tries - 1} attempts"
+    return (f" (attempt {tries}, {time.monotonic() - started:.1f} s after the first; the peer closed {before} "
+            f"before it during the handshake)")
+
 class Endpoint:
     """A fate-rdma channel endpoint at `host:port` (port 0 picks one; see `.address`)."""
 
@@ -233,7 +242,8 @@ class Endpoint:
                 try:
                     boot = ev.connect(host, int(port), timeout_s=max(0.1, deadline - time.monotonic()))
                 except (ev.EasyVerbsError, OSError, ValueError) as exc:
-                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
+                                          f"{_tries(tries, started)}") from exc
                 # the peer's kernel took the connection; its process may be held (a long native call keeping
                 # its GIL): while its host acknowledges what we send, wait for it as for a held peer in a transfer
                 boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
@@ -250,9 +260,8 @@ class Endpoint:
                     if ("closed" in str(exc) or "connection lost" in str(exc)) and time.monotonic() + 0.2 < deadline:
                         time.sleep(0.2)
                         continue
-                    again = (f" (connection {tries} in {time.monotonic() - started:.1f} s; the peer closed each one "
-                             f"before it during the handshake)" if tries > 1 else "")
-                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}{again}") from exc
+                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
+                                          f"{_tries(tries, started)}") from exc
                 except BaseException:
                     boot.close()
                     raise
