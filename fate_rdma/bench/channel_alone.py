@@ -62,8 +62,8 @@ def _party(role: str, config: Dict[str, Any], addrs: Dict[str, str], up: int, do
             times: List[float] = []
             late = 0.0
             for i in range(rounds):
-                if role == "arbiter":  # (the first round's lead as in the FATE job beside it)
-                    start_at.value = time.monotonic() + (START_LEAD_S if i else FIRST_LEAD_S)  # read by the clients once past the barrier
+                if role == "arbiter":  # read by the clients once past the barrier; the first round's lead as in
+                    start_at.value = time.monotonic() + (START_LEAD_S if i else FIRST_LEAD_S)  # the FATE job
                 barrier.wait(timeout)
                 start = wait_until(start_at.value)
                 if role != "arbiter":  # (a late arbiter starts no upload)
