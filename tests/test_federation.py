@@ -32,7 +32,10 @@ def free_port() -> int:
 
 def section(endpoints, **kw):
     base = {"enabled": True, "mode": "fedrdma-e", "slot_bytes": 16 << 20, "provider": "soft", "threshold_bytes": 1 << 20,
-            "endpoints": endpoints, "chunk_bytes": 1 << 20, "connect_timeout_s": 2, "pull_timeout_s": 20}
+            "endpoints": endpoints, "chunk_bytes": 1 << 20, "pull_timeout_s": 20,
+            # the guest's first put dials the host party while that process may still be importing FATE (a
+            # dial retries refused connections within connect_timeout_s): room for a slow, loaded machine
+            "connect_timeout_s": 10}
     base.update(kw)
     return base
 
@@ -145,7 +148,7 @@ def test_disabled_section_no_effect(guest):
 def test_unreachable_peer_error_names_party_and_address(guest):
     eps = endpoints()
     dead = f"127.0.0.1:{free_port()}"
-    ctx, fed, host = guest(section({**eps, "host:10000": dead}), None, "s4")
+    ctx, fed, host = guest(section({**eps, "host:10000": dead}, connect_timeout_s=2), None, "s4")
     with pytest.raises(E.PeerUnreachable, match=f"host:10000 at {dead}"):
         ctx.hosts[0].put("w", np.zeros(300_000))
 
@@ -153,7 +156,7 @@ def test_unreachable_peer_error_names_party_and_address(guest):
 def test_fallback_to_fate_when_configured(guest, caplog):
     eps = endpoints()
     wrong = {**eps, "host:10000": f"127.0.0.1:{free_port()}"}  # the guest has a wrong address for the host
-    ctx, fed, host = guest(section(wrong, fallback="fate"), section(eps), "s5")
+    ctx, fed, host = guest(section(wrong, fallback="fate", connect_timeout_s=2), section(eps), "s5")
     big = np.random.default_rng(1).standard_normal(400_000)
     ctx.hosts[0].put("w", big)
     res = host_result(host)

@@ -53,7 +53,8 @@ def rabbit(tmp_path_factory):
 
 def section(endpoints, **kw):
     base = {"enabled": True, "mode": "fedrdma-e", "slot_bytes": 16 << 20, "provider": "soft", "threshold_bytes": 1 << 20,
-            "endpoints": endpoints, "chunk_bytes": 1 << 20, "connect_timeout_s": 2, "pull_timeout_s": 60, "get_timeout_s": 120}
+            "endpoints": endpoints, "chunk_bytes": 1 << 20, "pull_timeout_s": 60, "get_timeout_s": 120,
+            "connect_timeout_s": 10}  # parties start together, each importing FATE: room for a slow one
     base.update(kw)
     return base
 
@@ -151,7 +152,8 @@ def test_fallback_to_fate_sends_sliced_through_rabbitmq(rabbit, plain, tmp_path)
     into a table by fate-rdma exactly as FATE slices; the arbiter's replies arrive the FATE way and pass
     through the clients' wrappers untouched. Same weights as FATE alone."""
     eps, _ = endpoints()
-    confs = {"guest": section(eps, fallback="fate"), "host": section(eps, fallback="fate"), "arbiter": None}
+    confs = {"guest": section(eps, fallback="fate", connect_timeout_s=2), "host": section(eps, fallback="fate",
+             connect_timeout_s=2), "arbiter": None}
     res = run_job(rabbit, tmp_path / "fallback", "rmq_fallback", confs)
     for r in ("guest", "host"):
         st = res[r]["rdma"]
