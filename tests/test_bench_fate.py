@@ -17,7 +17,7 @@ def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
     """`bench fate --pairs N`: each target's ratio is the median of the repetitions' own ratios (not the ratio
     of the methods' medians), every repetition's ratio is printed and in the JSON line, a repetition missing
     a method counts for neither, and FATE's own rows (path "-") pair with fate-rdma's on either path."""
-    from fate_rdma.bench.fate_federation import pair_ratios, verdicts
+    from fate_rdma.bench.fate_report import pair_ratios, verdicts
 
     def row(method, pair, seconds, path="tcp"):
         return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "-" if method == "fate" else path,
@@ -79,7 +79,7 @@ def test_the_arrays_baseline_splits_the_integration_from_the_payloads_shape(caps
     """--channel-alone-arrays: fate-rdma / the arrays baseline (the integration's own cost) and the arrays
     baseline / the one-buffer one (the payload's memory and shape), medians of the pairs' own ratios, with
     no target; the target's verdict stays against the one buffer."""
-    from fate_rdma.bench.fate_federation import verdicts
+    from fate_rdma.bench.fate_report import verdicts
 
     def row(method, pair, seconds):
         return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "same-host", "tensors": 148,
