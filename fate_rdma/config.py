@@ -106,7 +106,8 @@ class ChannelConfig:
     soft_link: Optional[str] = None
     #: soft provider: to a peer on this machine, copy payloads straight from the sender's memory (through a
     #: mapping where it is shared memory, as the FATE wrapper's put copies are, else process_vm_readv)
-    #: instead of through loopback TCP; false = TCP, as between hosts
+    #: instead of through loopback TCP; false = TCP, as between hosts. EASYPYVERBS_SOFT_SAME_HOST=off in the
+    #: environment switches it off too (every endpoint of the process, whatever this says)
     same_host: bool = True
     #: FedRDMA-E's chunk on that same-host path, where a chunk is only a unit of copying (no wire to pace)
     #: and each costs a request, an answer and thread switches: at least chunk_bytes; 0 = chunk_bytes

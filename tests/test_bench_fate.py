@@ -39,7 +39,7 @@ def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
     assert integ["fate_rdma_over_channel_alone"] == pytest.approx(1.92) and integ["met"] is False
     assert "10.0x less (median of 3 pairs: 10.00, 5.00, 20.00) (target >= 8x: met)" in lines[0]
     assert "1.92x (median of 3 pairs: 2.00, 1.00, 1.92) (target <= 1.5x: NOT met)" in lines[1]
-    assert all("emulated verbs over TCP, not an RDMA figure" in line for line in lines)
+    assert all("[soft provider: emulated verbs, not an RDMA figure]" in line for line in lines)
     # one repetition: no "median of" (the output of a plain run is unchanged)
     single = verdicts([r for r in rows if r["pair"] == 1], "tcp")
     assert "10.0x less (target >= 8x: met)" in single[0] and "median of" not in single[1]
@@ -176,3 +176,17 @@ def test_fate_job_rounds_start_at_the_arbiters_instant(tmp_path):
         assert len(res["go_late_seconds"]) == 3 and res["go_late_seconds"][1:] == [0.0, 0.0]
         # (--buffer-puts true) the first round's put copy is faulted in fresh, the later rounds' land in a recycled buffer
         assert res["put_copies"]["fresh_bytes"] > 0 and res["put_copies"]["reused_bytes"] > 0, res["put_copies"]
+
+
+def test_a_same_host_path_switched_off_is_refused_not_mislabelled(monkeypatch, capsys):
+    """`--path same-host` under EASYPYVERBS_SOFT_SAME_HOST=off would print rows named same-host that ran over TCP."""
+    import argparse
+
+    from fate_rdma.bench import fate_federation
+
+    monkeypatch.setenv("EASYPYVERBS_SOFT_SAME_HOST", "off")
+    p = argparse.ArgumentParser()
+    fate_federation.add_arguments(p)
+    for path in ("same-host", "both"):
+        assert fate_federation.run(p.parse_args(["--quick", "--path", path])) == 2
+        assert "same-host path, which is off here: EASYPYVERBS_SOFT_SAME_HOST=off" in capsys.readouterr().err

@@ -94,6 +94,23 @@ def test_peer_killed_mid_transfer_on_the_same_host_path():
         p.conn.close()
 
 
+@pytest.mark.parametrize("switch", ["env", "config"])
+def test_the_same_host_path_switched_off_sends_over_tcp(monkeypatch, switch):
+    """EASYPYVERBS_SOFT_SAME_HOST=off (the operator's switch for every endpoint of a process) and same_host: false
+    (one job's) each keep an endpoint's transfers on TCP, though its peer has the path on."""
+    p, addr = peer(cfg("fedrdma-e"))  # (spawned before the switch: its side offers the path)
+    try:
+        if switch == "env":
+            monkeypatch.setenv("EASYPYVERBS_SOFT_SAME_HOST", "off")
+        with Endpoint(cfg("fedrdma-e", same_host=switch != "config")) as ep:
+            assert not ep.same_host_capable
+            ep.send(addr, np.arange(3 << 20, dtype=np.uint8)).result(60)
+            assert {rc.qp.data_path for rc in ep.connect(addr).rcs} == {"tcp"}
+            assert p.cmd({"cmd": "expect", "count": 1, "timeout_s": 60})["records"][0]["nbytes"] == 3 << 20
+    finally:
+        p.close()
+
+
 def test_peer_that_cannot_prove_the_same_host_gets_tcp():
     """A HELLO that offers the path with a probe the responder cannot read back (another host, another
     PID namespace, or a lie) is answered without it."""

@@ -332,6 +332,14 @@ def run(args: argparse.Namespace) -> int:
             print("bench fate: --soft-link shapes the soft provider's TCP path only: use it with --methods fate-rdma, "
                   "--path tcp and the soft provider (FATE's own path would run unshaped beside it)", file=sys.stderr)
             return 2
+    if args.path != "tcp" and "fate-rdma" in methods:
+        from easypyverbs.providers.soft import samehost
+
+        ok, why = samehost.self_test() if samehost.enabled_by_env() else (False, "EASYPYVERBS_SOFT_SAME_HOST=off")
+        if not ok:  # its rows would name a path the parties did not take
+            print(f"bench fate: --path {args.path} needs the soft provider's same-host path, which is off here: {why}",
+                  file=sys.stderr)
+            return 2
     try:
         import fate.arch  # noqa: F401
     except ImportError:

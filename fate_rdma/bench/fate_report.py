@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from .report import emit, human_bytes, median
+from .report import EMULATED_TAG, emit, human_bytes, median
 
 TARGET_RATIO = 8.0  # FATE / fate-rdma, communication per round
 CHANNEL_ALONE_TARGET = 1.5  # fate-rdma / the channel alone for the same bytes
@@ -36,7 +36,7 @@ def verdicts(rows: List[Dict[str, Any]], data_path: str) -> List[str]:
     (and each repetition's, when there are several); their JSON lines are emitted here."""
     lines = []
     emu = any(r["emulated"] for r in rows if r["method"] == "fate-rdma")
-    tag = " [soft provider: emulated verbs over TCP, not an RDMA figure]" if emu else ""
+    tag = EMULATED_TAG if emu else ""
     first = next((r for r in rows if r["method"] == "fate-rdma"), None)
     if first is None:
         return lines
@@ -94,7 +94,7 @@ def print_breakdowns(rows: List[Dict[str, Any]], pairs: int) -> None:
         if r["method"] == "fate-rdma" and r.get("breakdown"):
             print(f"where fate-rdma's round went, {r['payload']} at scale {r['scale']:g}, path {r['path']}"
                   + (f", repetition {r['pair']}" if pairs > 1 else "") + " (seconds per round; waits include the other "
-                  "parties):")
+                  "parties)" + (EMULATED_TAG if r.get("emulated") else "") + ":")
             print("  party     " + "".join(f"{k.replace('_seconds', ''):>17}" for k in TIMERS))
             for role, t in r["breakdown"].items():
                 print(f"  {role:<9} " + "".join(f"{t[k]:>17.3f}" for k in TIMERS))
@@ -114,4 +114,5 @@ def print_late_starts(rows: List[Dict[str, Any]]) -> None:
         print(f"note: in {len(late)} job(s) a round's start instant reached a client late (typically the first round's, "
               f"as the parties connect; at most "
               f"{max(r['start_late_seconds'] for r in late) * 1e3:.1f} ms): that client's upload began late, and its round is "
-              f"timed from then (the other client's includes waiting for it)")
+              f"timed from then (the other client's includes waiting for it)"
+              + (EMULATED_TAG if any(r.get("emulated") for r in late) else ""))

@@ -8,6 +8,10 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 
+#: the label of every verdict line whose figures come from the soft provider (its table rows name the provider)
+EMULATED_TAG = " [soft provider: emulated verbs, not an RDMA figure]"
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

@@ -60,7 +60,7 @@ from ..protocol.integrity import BLOCK_BYTES
 from . import mooncake
 from .cpu import ceiling as cpu_ceiling, cpu_s, per_gb, usable_cores
 from .driver import PeerProcess, RawTcp
-from .report import emit, human_bytes, median, table
+from .report import EMULATED_TAG, emit, human_bytes, median, table
 
 MiB = 1 << 20
 #: loopback: the channel between two processes of this host (the soft provider's same-host path where it
@@ -373,7 +373,7 @@ def _tls_verdicts(rows: List[Dict[str, Any]]) -> None:
         plain = next((p for p in rows if p.get("tls") is False and p["scenario"] == r["scenario"]
                       and p["method"] == r["method"] and str(p["window"])[:4] == str(r["window"])[:4]), None)
         if plain:
-            emu = " (soft provider: emulated verbs over TCP, not RDMA)" if r["emulated"] else ""
+            emu = EMULATED_TAG if r["emulated"] else ""
             print(f"tls cost{emu}: {r['scenario']} {r['method']} window {r['window']}: {plain['seconds']:.3f} s plain "
                   f"({plain.get('gbps')} Gbit/s, {plain['path']}) -> {r['seconds']:.3f} s with TLS ({r.get('gbps')} "
                   f"Gbit/s, {r['path']}): {100 * (r['seconds'] / plain['seconds'] - 1):+.0f}% time")
@@ -388,6 +388,14 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
                     return r
         return None
 
+    def tag(r: Dict[str, Any]) -> str:
+        """A verdict line's label: the soft provider's figures are an emulation; Soft-RoCE (rxe) is real verbs but
+        no RDMA hardware, so only a pyverbs device that is not rxe is called RDMA."""
+        if r.get("emulated"):
+            return EMULATED_TAG
+        label = str(r.get("label") or "")
+        return " [rxe: kernel verbs without RDMA hardware]" if "rxe" in label else (f" [{label}]" if label else "")
+
     def x_raw(r: Dict[str, Any], raw: Dict[str, Any]) -> str:
         """fedrdma-e / raw TCP throughput of row `r`: against the raw TCP row `raw`, and the median of its pairs
         (_paired) where it has them (both printed: the two can differ by a fifth on this machine)."""
@@ -400,21 +408,18 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
     print()
     raw, gs = get(None, "raw_tcp"), get(None, "grpc_stream")
     e, t = get("loopback", "fedrdma-e", True), get("loopback-tcp", "fedrdma-e", True)
-    if e and raw:
-        # Soft-RoCE (rxe) is real verbs but no RDMA hardware: its label says so, never "RDMA"
-        kind = "emulated" if e["emulated"] else ("RDMA" if e["label"].startswith("pyverbs") else e["label"])
-        grpc = f"; fedrdma-e / gRPC stream = {gs['seconds'] / e['seconds']:.2f} (target >= 2)" if gs else ""
-        print(f"loopback ({kind}): fedrdma-e / raw TCP throughput = {x_raw(e, raw)} (target >= 0.8){grpc}")
-    if e and raw and t:  # the two paths, each against raw TCP of the same run, never mixed in one ratio
-        print(f"same host, {e.get('path')}: fedrdma-e / raw TCP throughput = {x_raw(e, raw)} (target >= 2); over loopback "
-              f"TCP (as between hosts, checksum {t.get('checksum')}): {x_raw(t, raw)} (target >= 0.95)")
-    elif raw and t:
-        print(f"over loopback TCP (soft provider, emulated, as between hosts, checksum {t.get('checksum')}): "
-              f"fedrdma-e / raw TCP throughput = {x_raw(t, raw)} (target >= 0.95)")
-    if raw and t:
+    # each path against raw TCP of the same run, never mixed in one ratio; gRPC (over TCP) only beside the TCP path
+    if e and raw:  # (the same-host path where the provider took it; else loopback TCP or a device's verbs)
+        target = " (target >= 2)" if str(e.get("path")).startswith("same-host") else ""
+        print(f"{'same host' if target else 'loopback'}, data path {e.get('path')}{tag(e)}: fedrdma-e / raw TCP "
+              f"throughput = {x_raw(e, raw)}{target}")
+    if t and raw:
+        grpc = f"; fedrdma-e / gRPC stream = {gs['seconds'] / t['seconds']:.2f} (target >= 2)" if gs else ""
+        print(f"over loopback TCP (as between hosts, checksum {t.get('checksum')}){tag(t)}: fedrdma-e / raw TCP "
+              f"throughput = {x_raw(t, raw)} (target >= 0.95){grpc}")
         line = cpu_ceiling(t, raw, nbytes, usable_cores())
         if line:
-            print(f"over loopback TCP, checksum {t.get('checksum')}: {line}")
+            print(f"over loopback TCP, checksum {t.get('checksum')}{tag(t)}: {line}")
     for r in rows:  # a buffered put's copy overlapped against copy-then-send, in the same scenario and window
         if r["method"].startswith("fedrdma-e put: copy overlapped") and r.get("seconds"):
             serial = next((x for x in rows if x["scenario"] == r["scenario"] and x.get("tls") == r.get("tls")
@@ -422,20 +427,21 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
                                 and str(r["window"]).startswith("auto"))  # (auto's own choice may differ by one)
                            and x["method"] == r["method"].replace("copy overlapped", "copy, then send")), None)
             if serial and serial.get("seconds"):
-                print(f"{r['scenario']}: a buffered put with its copy overlapped {r['seconds']:.3f} s against copy, then "
+                print(f"{r['scenario']}{tag(r)}: a buffered put with its copy overlapped {r['seconds']:.3f} s against copy, then "
                       f"send {serial['seconds']:.3f} s ({serial['seconds'] / r['seconds']:.2f} x)")
     mc = [r for r in (get(None, m) for m in mooncake.METHODS) if r]
     if t and mc:  # both over loopback TCP; Mooncake checksums nothing, fedrdma-e its whole payload (unless none)
         best = min(mc, key=lambda r: r["seconds"])
         verdict = "faster" if t["seconds"] < best["seconds"] else "NOT faster"
-        print(f"over loopback TCP: fedrdma-e {t['seconds']:.3f} s (checksum {t.get('checksum')}) vs Mooncake TE TCP "
+        print(f"over loopback TCP{tag(t)}: fedrdma-e {t['seconds']:.3f} s (checksum {t.get('checksum')}) vs Mooncake TE TCP "
               f"{best['method']} {best['seconds']:.3f} s (no checksum): {verdict} (throughput ratio "
               f"{best['seconds'] / t['seconds']:.2f})")
     w1, auto = get("link-10g-20ms", "fedrdma-e", False), get("link-10g-20ms", "fedrdma-e", True)
     if w1 and auto:
         wire = nbytes * 8 / 10e9
-        print(f"link 10 Gbit/s 20 ms (emulated): window 1 {w1['seconds']:.2f} s (paper's stop-and-wait: 6.0 s for 1 GiB); "
+        print(f"link model 10 Gbit/s 20 ms{tag(auto)}: window 1 {w1['seconds']:.2f} s (paper's stop-and-wait: 6.0 s for 1 GiB); "
               f"auto window {auto['seconds']:.2f} s = {auto['seconds'] / wire:.2f} x wire time {wire:.2f} s (target <= 1.5)")
     for r in rows:
         if r["method"] in ("fedrdma", "fedrdma-e") and r["scenario"] == "loopback":
-            print(f"memory: {r['method']} window {r['window']}: {human_bytes(r['extra_rss_bytes'])} extra at the receiver")
+            print(f"memory{tag(r)}: {r['method']} window {r['window']}: {human_bytes(r['extra_rss_bytes'])} extra at the "
+                  f"receiver")

@@ -83,7 +83,9 @@ class Endpoint:
         provider = config.provider
         # the soft provider's NIC is threads of this process (and of the peer's): it must not give up on a held
         # peer before the channel would (its kernel send and receive timeouts; a real NIC answers from hardware)
-        soft_opts: Dict[str, Any] = {"same_host": config.same_host,
+        # same_host: false switches the same-host path off; true leaves it to the provider, which takes it where
+        # it works unless the operator switched it off for every process (EASYPYVERBS_SOFT_SAME_HOST=off)
+        soft_opts: Dict[str, Any] = {"same_host": None if config.same_host else False,
                                      "retry_timeout_s": max(30.0, config.no_progress_timeout_s)}
         if self.tls is not None:
             soft_opts["tls"] = self.tls.contexts  # the soft provider's data connections, with the same certificates
