@@ -5,6 +5,7 @@ the memory budget is refused before anything is allocated, forged GROW and RETUR
 naming the field, and the endpoint reports what its pools hold."""
 from __future__ import annotations
 
+import logging
 import os
 
 import crc32c
@@ -148,10 +149,11 @@ def test_forged_grow_and_return_are_refused_naming_the_field(provider, caplog):
         assert send_and_check(b"after")  # a new connection
 
 
-def test_pool_report_says_what_the_pools_hold():
+def test_pool_report_says_what_the_pools_hold(caplog):
     from fate_rdma.channel.slots import describe, pool_policy
 
     cfg = grow_cfg("soft")
+    caplog.set_level(logging.INFO, logger="fate_rdma.channel")
     with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
         rx.name = rx.address
         tx.send(rx.address, os.urandom(3 << 20)).result(30)
@@ -165,6 +167,10 @@ def test_pool_report_says_what_the_pools_hold():
         lines = describe(pool_policy(cfg), rep)
         assert "up to 64.1 MiB under load" in lines[0] and "registered" in lines[1] and "3.0 MiB held" in lines[2]
         msg.release()
+        rx.close()  # its close logs what its pools hold (a FATE task's log shows it)
+    closing = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"fate-rdma endpoint {rx.address} at close")]
+    assert len(closing) == 1 and "pools now: " in closing[0] and "for 1 peer(s)" in closing[0]
+    assert "3.0 MiB granted" in closing[0]  # (the slot keeps its room until it has been idle pool_idle_s)
 
 
 def test_without_a_checksum_a_lent_slot_is_cleared_before_it_is_granted_again(monkeypatch):

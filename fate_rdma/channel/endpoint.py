@@ -343,7 +343,8 @@ class Endpoint:
 
     def pool_report(self) -> Dict[str, Any]:
         """What the FedRDMA-E receive pools hold now: registered and resident bytes, in all and per peer
-        with each slot's room and state, and the memory budget (slots.pool_report; `doctor` prints it)."""
+        with each slot's room and state, and the memory budget (slots.pool_report; logged when the endpoint closes;
+        `doctor` prints what a configuration lets the pools hold, slots.pool_policy)."""
         from .slots import pool_report
 
         return pool_report(self._all_conns(), self.budget)
@@ -375,6 +376,14 @@ class Endpoint:
         stalls.unsubscribe(self._holds_token)
         self._acceptor.join(timeout=5)
         self.listener.close()
+        if self.config.mode == "fedrdma-e":  # what the pools hold at the end, for the task's log
+            from .slots import describe, pool_policy
+
+            try:
+                log.info("fate-rdma endpoint %s at close: %s", self.name,
+                         "; ".join(describe(pool_policy(self.config), self.pool_report())[1:]))
+            except Exception:  # (a report is not worth failing a close over)
+                log.debug("fate-rdma endpoint %s: no pool report at close", self.name, exc_info=True)
         for c in self._all_conns():
             c.close()
         self.recv_buffers.clear()

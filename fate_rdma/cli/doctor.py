@@ -26,5 +26,8 @@ def run(args: argparse.Namespace) -> int:
     lines = describe(rep["receive_memory"])
     if not args.config:
         lines[0] += " (defaults; --config FILE for yours)"
+    if cfg.mode == "fedrdma-e":
+        lines.append("  what a running endpoint's pools hold: logged when it closes (a FATE task's log), "
+                     "Endpoint.pool_report() in code")
     print(json.dumps(rep, indent=2) if args.json else "\n".join([render(rep), *lines]))
     return 0 if rep["usable"] else 1
