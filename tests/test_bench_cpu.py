@@ -26,23 +26,3 @@ def test_an_idle_machine_is_not_called_cpu_bound_and_missing_cpu_gives_no_line()
     assert cpu.ceiling({"method": "fedrdma-e", "seconds": 0.3}, raw, 10**9, 2) is None
     assert cpu.usable_cores() >= 1
 
-
-def test_bench_transfers_verdicts_keep_the_paths_apart_and_label_every_emulated_line(capsys):
-    """Same host against its own target, loopback TCP against 0.95 with gRPC beside it (both over TCP), and
-    every verdict line that rests on the soft provider says it is an emulation."""
-    from fate_rdma.bench import transfer
-
-    soft = {"emulated": True, "label": "soft (emulated verbs over TCP)", "cpu_send_s_per_gb": 0.3, "cpu_recv_s_per_gb": 0.2}
-    rows = [dict(_row("raw_tcp", 0.25, 0.2, 0.2), scenario="loopback", window=None, emulated=False),
-            dict(_row("grpc_stream", 0.5, 0.3, 0.3), scenario="loopback", window=None, emulated=False),
-            dict(soft, scenario="loopback", method="fedrdma-e", window="auto (8)", seconds=0.1,
-                 path="same-host (memfd map / process_vm_readv)", extra_rss_bytes=1 << 20),
-            dict(soft, scenario="loopback-tcp", method="fedrdma-e", window="auto (8)", seconds=0.3, path="tcp",
-                 checksum="xxh3", x_raw_tcp=0.8)]
-    transfer._verdicts(rows, 10**9, 3)
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
-    same = next(ln for ln in lines if ln.startswith("same host"))
-    assert "raw TCP throughput = 2.50 (against the raw TCP row) (target >= 2)" in same and "gRPC" not in same
-    tcp = next(ln for ln in lines if ln.startswith("over loopback TCP (as between hosts"))
-    assert "= 0.80 (median of 3 pairs" in tcp and "(target >= 0.95); fedrdma-e / gRPC stream = 1.67 (target >= 2)" in tcp
-    assert len(lines) >= 4 and all("[soft provider: emulated verbs, not an RDMA figure]" in ln for ln in lines)

@@ -51,6 +51,12 @@ def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
                 window=4, no_progress_timeout_s=10, connect_timeout_s=10, same_host_chunk_bytes=0)
     if provider == "soft-tcp":
         base.update(provider="soft", same_host=False)
+    elif provider == "soft" and not kw.get("soft_link") and kw.get("same_host", True):
+        from easypyverbs.providers.soft import samehost
+
+        ok, why = samehost.self_test() if samehost.enabled_by_env() else (False, "EASYPYVERBS_SOFT_SAME_HOST=off")
+        if not ok:  # else this leg would quietly repeat soft-tcp's
+            pytest.skip(f"the same-host leg needs the soft provider's same-host path, unusable here: {why}")
     base.update(kw)
     return ChannelConfig(**base)
 

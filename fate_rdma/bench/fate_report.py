@@ -10,7 +10,7 @@ TARGET_RATIO = 8.0  # FATE / fate-rdma, communication per round
 CHANNEL_ALONE_TARGET = 1.5  # fate-rdma / the channel alone for the same bytes
 #: the fate-rdma wrapper's timers (fate_rdma/federation/wrapper.py), in the order a round meets them
 TIMERS = ("frame_seconds", "put_copy_seconds", "send_seconds", "descriptor_push_seconds", "descriptor_wait_seconds",
-          "payload_wait_seconds")
+          "payload_wait_seconds", "unframe_seconds")
 
 
 def pair_ratios(rows: List[Dict[str, Any]], data_path: str, num: str, den: str) -> List[Tuple[float, float, float]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from typing import Any, Dict, Optional
 
 log = logging.getLogger("fate_rdma.federation")
@@ -113,7 +114,13 @@ def patch_serdes(pickler_cls: Any, unpickler_cls: Any) -> None:
     if not getattr(pull, "_fate_rdma", False):
         def pull_framed(cls: Any, buffers: Any, ctx: Any, federation: Any, name: str, tag: str, party: Any) -> Any:
             if isinstance(buffers, frames.InFrame):
-                return frames.decode(buffers, cls, ctx, federation, name, tag, party)
+                t0 = time.perf_counter()
+                try:
+                    return frames.decode(buffers, cls, ctx, federation, name, tag, party)
+                finally:  # a get's last step: the frame's arrived bytes back to the object FATE's get returns
+                    rdma = getattr(federation, "fate_rdma", None)
+                    if rdma is not None:
+                        rdma.stats["unframe_seconds"] += time.perf_counter() - t0
             return pull.__func__(cls, buffers, ctx, federation, name, tag, party)
 
         pull_framed._fate_rdma = True  # type: ignore[attr-defined]

@@ -77,7 +77,7 @@ class RdmaFederation:
         self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "small_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0,
                       # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
-                      "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0,
+                      "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0, "unframe_seconds": 0.0,
                       "buffered_puts": 0, "shared_puts": 0, "put_copy_seconds": 0.0, "lent_bytes": 0}
         # recycled as reassembly buffers are; in shared memory where a same-host peer's NIC can map them
         self.put_copies = RecvBuffers(cfg.put_buffer_bytes, shared=self.endpoint.same_host_capable)

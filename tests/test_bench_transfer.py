@@ -1,0 +1,36 @@
+"""`fate-rdma bench transfer`: its verdict lines, and the Mooncake rows where Mooncake is missing."""
+from __future__ import annotations
+
+from fate_rdma.bench import mooncake, transfer
+
+
+def _row(method, seconds, snd, rcv):
+    return {"method": method, "seconds": seconds, "cpu_send_s_per_gb": snd, "cpu_recv_s_per_gb": rcv}
+
+
+def test_bench_transfers_verdicts_keep_the_paths_apart_and_label_every_emulated_line(capsys):
+    """Same host against its own target, loopback TCP against 0.95 with gRPC beside it (both over TCP), and
+    every verdict line that rests on the soft provider says it is an emulation."""
+    soft = {"emulated": True, "label": "soft (emulated verbs over TCP)", "cpu_send_s_per_gb": 0.3, "cpu_recv_s_per_gb": 0.2}
+    rows = [dict(_row("raw_tcp", 0.25, 0.2, 0.2), scenario="loopback", window=None, emulated=False),
+            dict(_row("grpc_stream", 0.5, 0.3, 0.3), scenario="loopback", window=None, emulated=False),
+            dict(soft, scenario="loopback", method="fedrdma-e", window="auto (8)", seconds=0.1,
+                 path="same-host (memfd map / process_vm_readv)", extra_rss_bytes=1 << 20),
+            dict(soft, scenario="loopback-tcp", method="fedrdma-e", window="auto (8)", seconds=0.3, path="tcp",
+                 checksum="xxh3", x_raw_tcp=0.8)]
+    transfer._verdicts(rows, 10**9, 3)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+    same = next(ln for ln in lines if ln.startswith("same host"))
+    assert "raw TCP throughput = 2.50 (against the raw TCP row) (target >= 2)" in same and "gRPC" not in same
+    tcp = next(ln for ln in lines if ln.startswith("over loopback TCP (as between hosts"))
+    assert "= 0.80 (median of 3 pairs" in tcp and "(target >= 0.95); fedrdma-e / gRPC stream = 1.67 (target >= 2)" in tcp
+    assert len(lines) >= 4 and all("[soft provider: emulated verbs, not an RDMA figure]" in ln for ln in lines)
+
+
+def test_without_mooncake_its_rows_are_skipped_with_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(mooncake.importlib.util, "find_spec", lambda name: None)
+    why = mooncake.missing()
+    assert why is not None and "not installed" in why and "pip install 'fate-rdma[mooncake]'" in why
+    got = mooncake.measure(["raw_tcp", "mooncake", "mooncake_batch"], "127.0.0.1", 1 << 20, 0, 0, 1, 1 << 20)
+    assert got == {"mooncake": {"skipped": why}, "mooncake_batch": {"skipped": why}}
+    assert mooncake.measure(["raw_tcp"], "127.0.0.1", 1 << 20, 0, 0, 1, 1 << 20) == {}
