@@ -111,6 +111,30 @@ def test_the_same_host_path_switched_off_sends_over_tcp(monkeypatch, switch):
         p.close()
 
 
+def test_a_process_in_another_network_namespace_is_not_taken_for_this_host():
+    """The responder's last check before it offers the path: a peer in another network namespace stands for
+    another site (the WAN testbed's namespaces), so its bytes must cross the network."""
+    import subprocess
+
+    assert samehost.same_network_namespace(os.getpid())
+    try:
+        other = subprocess.Popen(["unshare", "--net", "sleep", "30"], stderr=subprocess.PIPE)
+    except OSError as exc:
+        pytest.skip(f"unshare: {exc}")
+    try:
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{other.pid}/comm").read().strip() != "sleep":  # (unshare execs sleep once it is in)
+            if other.poll() is not None:
+                pytest.skip(f"unshare --net refused here: {other.stderr.read().decode().strip()}")
+            assert time.monotonic() < deadline, "unshare --net did not exec sleep within 10 s"
+            time.sleep(0.01)
+        assert not samehost.same_network_namespace(other.pid)
+    finally:
+        other.kill()
+        other.wait()
+    assert not samehost.same_network_namespace(other.pid)  # (gone: not this namespace either)
+
+
 def test_peer_that_cannot_prove_the_same_host_gets_tcp():
     """A HELLO that offers the path with a probe the responder cannot read back (another host, another
     PID namespace, or a lie) is answered without it."""

@@ -75,9 +75,9 @@ METHODS = ["raw_tcp", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch",
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="256 MiB payload, 2 repetitions (about two minutes)")
+    p.add_argument("--quick", action="store_true", help="256 MiB payload, 3 repetitions (a median of three, as every verdict; about three minutes)")
     p.add_argument("--payload-mib", type=int, default=None, help="payload size in MiB (default 1024, quick 256)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 3, quick 2)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 3, quick too)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of methods (default all; mooncake and mooncake_batch need the mooncake extra: "
@@ -208,7 +208,7 @@ def _channel(peer: PeerProcess, data: np.ndarray, cfg: ChannelConfig, reps: int,
 
 def run(args: argparse.Namespace) -> int:
     nbytes = (args.payload_mib or (256 if args.quick else 1024)) * MiB
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or 3
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     windows = [w.strip() for w in args.windows.split(",")]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
