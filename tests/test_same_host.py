@@ -209,3 +209,25 @@ def test_a_split_copy_that_cannot_read_a_part_fails_whole():
     with pytest.raises(OSError, match="process_vm_readv"):
         samehost.read_from(os.getpid(), [(src.ctypes.data, n // 2), (8, n // 2)], [(dst.ctypes.data, n)], threads=2)
     assert (dst[:n // 2] == 1).all()
+
+
+def test_a_copy_of_many_pieces_over_many_spans_lands_each_byte_in_its_place():
+    """Pieces that cross span boundaries both ways (remote spans of odd sizes, local spans of others), each
+    reported once, in order within its block, and every byte where it belongs."""
+    rng = np.random.default_rng(7)
+    sizes = [int(x) for x in rng.integers(1, 300_000, 40)]
+    arrays = [rng.integers(0, 256, k, dtype=np.uint8) for k in sizes]
+    total = sum(sizes)
+    dst = np.zeros(total + 1000, dtype=np.uint8)
+    cuts = sorted({0, total, *(int(x) for x in rng.integers(1, total, 9))})
+    local = [(dst.ctypes.data + 3 + a, b - a) for a, b in zip(cuts, cuts[1:])]  # (3 bytes in: unaligned)
+    piece, block = 64 << 10, 1 << 20
+    pieces = [(at, min(piece, total - at), at % block == 0) for at in range(0, total, piece)]
+    seen = []
+    samehost.read_from(os.getpid(), [(a.ctypes.data, a.nbytes) for a in arrays], local, threads=2, pieces=pieces,
+                       on_piece=lambda at, n: seen.append((at, n)))
+    assert np.array_equal(dst[3:3 + total], np.concatenate(arrays)) and not dst[:3].any() and not dst[3 + total:].any()
+    assert sorted(seen) == [(at, n) for at, n, _ in pieces]
+    with pytest.raises(ValueError, match="pieces cover"):
+        samehost.read_from(os.getpid(), [(arrays[0].ctypes.data, sizes[0])], [(dst.ctypes.data, sizes[0])],
+                           pieces=[(0, sizes[0] - 1, True)])
