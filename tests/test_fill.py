@@ -187,7 +187,7 @@ def test_bench_transfer_puts_rows_are_labelled_and_compared():
     methods = {r["method"] for r in rows}
     assert {"fedrdma-e", "fedrdma-e put: copy, then send (fresh)", "fedrdma-e put: copy overlapped (fresh)"} <= methods
     assert all(r["emulated"] is True and r["seconds"] > 0 for r in rows)
-    assert "loopback-tcp: a buffered put with its copy overlapped" in out.stdout
+    assert "loopback-tcp [soft provider: emulated verbs, not an RDMA figure]: a buffered put with its copy overlapped" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--puts", "later"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown scenario, method or put later" in bad.stdout + bad.stderr
