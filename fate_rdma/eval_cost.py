@@ -142,8 +142,10 @@ def run_cost(plan: Plan, out_root: Path, log: Callable[[str], None] = print, com
                 for mode in ("fedrdma", "fedrdma-e"):
                     cfg = ChannelConfig(mode=mode, window="auto", slot_bytes=plan.nbytes, provider="soft",
                                         transfer_timeout_s=3600, no_progress_timeout_s=120, same_host=path == "same-host")
-                    add(mode, path, "soft (emulated verbs, not RDMA)", transfer._channel(peer, data, cfg, plan.reps),
-                        f"{cfg.checksum} end to end")
+                    res = transfer._channel(peer, data, cfg, plan.reps)
+                    # the path the transfers took (EASYPYVERBS_SOFT_SAME_HOST=off or an unusable same-host path: tcp)
+                    took = "same-host" if str(res["path"]).startswith("same-host") else str(res["path"])
+                    add(mode, took, "soft (emulated verbs, not RDMA)", res, f"{cfg.checksum} end to end")
         add("mooncake sync", "tcp", "Mooncake TE TCP transport",
             _mooncake(plan.nbytes, transfer.PAYLOAD_SEED, crc32c.crc32c(data), plan.reps), "crc32c of the buffer")
     finally:

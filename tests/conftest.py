@@ -24,3 +24,13 @@ def no_leaks():
     while soft_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not soft_threads(), f"test leaked soft-provider threads: {soft_threads()}"
+
+
+def require_same_host() -> None:
+    """Skip, naming why, a test of the soft provider's same-host path where an endpoint would not take it
+    (switched off by EASYPYVERBS_SOFT_SAME_HOST, or process_vm_readv refused): it would run over TCP instead."""
+    from easypyverbs.providers.soft import samehost
+
+    ok, why = samehost.available()
+    if not ok:
+        pytest.skip(f"the soft provider's same-host path is not available here: {why}")

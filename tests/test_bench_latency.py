@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from .conftest import require_same_host
+
 BASE = [sys.executable, "-m", "fate_rdma.cli", "bench", "latency", "--provider", "soft", "--reps", "5"]
 
 
@@ -35,6 +37,7 @@ def test_bench_latency_rows_are_labelled_and_compared_with_raw_tcp_of_the_same_r
 
 
 def test_bench_latency_same_host_path_and_bad_arguments():
+    require_same_host()
     out = subprocess.run(BASE + ["--sizes", "4K", "--modes", "fedrdma-e", "--path", "same-host", "--checksum", "none"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -34,3 +34,13 @@ def test_without_mooncake_its_rows_are_skipped_with_how_to_install_it(monkeypatc
     got = mooncake.measure(["raw_tcp", "mooncake", "mooncake_batch"], "127.0.0.1", 1 << 20, 0, 0, 1, 1 << 20)
     assert got == {"mooncake": {"skipped": why}, "mooncake_batch": {"skipped": why}}
     assert mooncake.measure(["raw_tcp"], "127.0.0.1", 1 << 20, 0, 0, 1, 1 << 20) == {}
+
+
+def test_a_loopback_row_that_did_not_take_the_same_host_path_is_held_to_the_tcp_target(capsys):
+    rows = [dict(_row("raw_tcp", 0.25, 0.2, 0.2), scenario="loopback", window=None, emulated=False),
+            dict(_row("fedrdma-e", 0.3, 0.3, 0.2), scenario="loopback", window="auto (8)", path="tcp", emulated=True,
+                 checksum="xxh3", extra_rss_bytes=0)]
+    transfer._verdicts(rows, 10**9, 3)
+    out = capsys.readouterr().out
+    assert "over loopback TCP (as between hosts, same-host path not taken, checksum xxh3)" in out
+    assert "(target >= 0.95)" in out and "target >= 2" not in out and "same host," not in out

@@ -23,6 +23,7 @@ from fate_rdma.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
 
+from .conftest import require_same_host
 from .verbs_pair import require
 
 CHUNK = 64 * 1024
@@ -51,12 +52,6 @@ def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
                 window=4, no_progress_timeout_s=10, connect_timeout_s=10, same_host_chunk_bytes=0)
     if provider == "soft-tcp":
         base.update(provider="soft", same_host=False)
-    elif provider == "soft" and not kw.get("soft_link") and kw.get("same_host", True):
-        from easypyverbs.providers.soft import samehost
-
-        ok, why = samehost.self_test() if samehost.enabled_by_env() else (False, "EASYPYVERBS_SOFT_SAME_HOST=off")
-        if not ok:  # else this leg would quietly repeat soft-tcp's
-            pytest.skip(f"the same-host leg needs the soft provider's same-host path, unusable here: {why}")
     base.update(kw)
     return ChannelConfig(**base)
 
@@ -103,6 +98,8 @@ def mode(request):
 @pytest.fixture(params=PROVIDERS)
 def provider(request):
     require(request.param)  # pyverbs: skipped, with the reason, where no RDMA device is usable
+    if request.param == "soft":
+        require_same_host()  # (else this leg would quietly repeat soft-tcp's)
     return request.param
 
 

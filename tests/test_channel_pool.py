@@ -17,12 +17,15 @@ from fate_rdma.channel import Endpoint, transfer
 from fate_rdma.config import ChannelConfig
 
 from .test_channel import PROVIDERS, Peer, cfg_for, wait_for
+from .conftest import require_same_host
 from .verbs_pair import require
 
 
 @pytest.fixture(params=PROVIDERS)
 def provider(request):
     require(request.param)  # pyverbs: skipped, with the reason, where no RDMA device is usable
+    if request.param == "soft":
+        require_same_host()
     return request.param
 
 #: a slot's extent beyond its payload room: header and metadata area

@@ -22,6 +22,8 @@ from fate_rdma.federation import wrapper as wrapper_mod  # noqa: E402
 from fate_rdma.federation.wrapper import DESC_MAGIC  # noqa: E402
 from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
 
+from .conftest import require_same_host  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUEST, HOST = ("guest", "9999"), ("host", "10000")
 
@@ -431,6 +433,7 @@ def test_a_put_of_the_same_arrays_again_shares_the_held_copy_and_a_changed_one_d
 def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
     """Both parties on this host (the soft provider's same-host path on): a buffered put copies into shared
     memory, which the peer's NIC maps instead of reading with process_vm_readv."""
+    require_same_host()
     from easypyverbs.providers.soft import shm
 
     eps = endpoints()

@@ -25,6 +25,7 @@ from fate_rdma.errors import IntegrityError
 from fate_rdma.protocol.integrity import BLOCKWISE
 from fate_rdma.protocol.frames import CtrlKind
 
+from .conftest import require_same_host
 from .test_channel import cfg_for, wait_for
 
 MiB = 1 << 20
@@ -204,6 +205,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
 
 @pytest.mark.parametrize("cpus, notes", [(2, False), (8, True)])
 def test_a_same_host_peer_gets_notes_only_where_cores_are_left_beside_its_copy(monkeypatch, cpus, notes):
+    require_same_host()
     monkeypatch.setattr(fe.os, "cpu_count", lambda: cpus)
     seen = _spy(monkeypatch)
     rx, tx = _pair("soft")

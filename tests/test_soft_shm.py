@@ -23,7 +23,8 @@ from fate_rdma.channel import Endpoint
 from .test_same_host import SAME_HOST, cfg, peer
 from .verbs_pair import close_pair, make_pair
 
-pytestmark = pytest.mark.skipif(not shm.self_test()[0], reason=f"shared memory unusable: {shm.self_test()[1]}")
+pytestmark = [pytest.mark.skipif(not shm.self_test()[0], reason=f"shared memory unusable: {shm.self_test()[1]}"),
+              pytest.mark.skipif(not samehost.available()[0], reason=f"same-host path not available: {samehost.available()[1]}")]
 
 
 def _maps_of(pid: int = 0) -> int:

@@ -333,12 +333,13 @@ def run(args: argparse.Namespace) -> int:
                   "--path tcp and the soft provider (FATE's own path would run unshaped beside it)", file=sys.stderr)
             return 2
     if args.path != "tcp" and "fate-rdma" in methods:
+        from easypyverbs import choose_provider
         from easypyverbs.providers.soft import samehost
 
-        ok, why = samehost.self_test() if samehost.enabled_by_env() else (False, "EASYPYVERBS_SOFT_SAME_HOST=off")
-        if not ok:  # its rows would name a path the parties did not take
-            print(f"bench fate: --path {args.path} needs the soft provider's same-host path, which is off here: {why}",
-                  file=sys.stderr)
+        ok, why = samehost.available()
+        if not ok and choose_provider(args.provider)[0] == "soft":  # its rows would name a path not taken
+            print(f"bench fate: --path {args.path} needs the soft provider's same-host path, not available here: {why}"
+                  + (" (--path tcp measures the TCP path alone)" if args.path == "both" else ""), file=sys.stderr)
             return 2
     try:
         import fate.arch  # noqa: F401

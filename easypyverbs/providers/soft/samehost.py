@@ -80,8 +80,8 @@ def _advance(spans: List[Span], n: int) -> List[Span]:
 
 def _split(spans: List[Span], sizes: List[int]) -> List[List[Span]]:
     """`spans` cut into consecutive pieces of `sizes` bytes (summing to theirs), in one pass: a copy of many
-    pieces over many spans costs pieces + spans steps, not their product (1,000 pieces of a 148-array
-    payload took as long to cut piece by piece from the start as to copy)."""
+    pieces over many spans costs pieces + spans steps, not their product (cutting 950 pieces of a 148-array
+    payload each from the start took about 40 % of the time the copy did)."""
     out: List[List[Span]] = []
     i, off = 0, 0
     for n in sizes:
@@ -241,6 +241,14 @@ def self_test() -> Tuple[bool, str]:
     if usable(os.getpid(), p.addr, p.value):
         return True, "process_vm_readv works"
     return False, f"process_vm_readv refused (errno {ctypes.get_errno()}: {os.strerror(ctypes.get_errno())})"
+
+
+def available() -> Tuple[bool, str]:
+    """Whether an endpoint opened now with the default may take the path: not switched off in the environment,
+    and working here (self_test), with the reason."""
+    if not enabled_by_env():
+        return False, "switched off by EASYPYVERBS_SOFT_SAME_HOST"
+    return self_test()
 
 
 def enabled_by_env() -> bool:
