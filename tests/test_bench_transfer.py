@@ -44,3 +44,15 @@ def test_a_loopback_row_that_did_not_take_the_same_host_path_is_held_to_the_tcp_
     out = capsys.readouterr().out
     assert "over loopback TCP (as between hosts, same-host path not taken, checksum xxh3)" in out
     assert "(target >= 0.95)" in out and "target >= 2" not in out and "same host," not in out
+
+
+def test_a_loopback_row_over_a_devices_verbs_is_held_to_the_verbs_target_and_named_for_its_device(capsys):
+    rows = [dict(_row("raw_tcp", 0.25, 0.2, 0.2), scenario="loopback", window=None, emulated=False),
+            dict(_row("grpc_stream", 0.5, 0.3, 0.3), scenario="loopback", window=None, emulated=False),
+            dict(_row("fedrdma-e", 0.3, 0.3, 0.2), scenario="loopback", window="auto (4)", path="verbs", emulated=False,
+                 label="pyverbs (rxe0)", checksum="xxh3", extra_rss_bytes=0)]
+    transfer._verdicts(rows, 10**9, 3)
+    out = capsys.readouterr().out
+    assert ("loopback, data path verbs (checksum xxh3) [rxe: kernel verbs without RDMA hardware]: fedrdma-e / raw TCP "
+            "throughput = 0.83 (against the raw TCP row) (target >= 0.8); fedrdma-e / gRPC stream = 1.67 (target >= 2)") in out
+    assert "RDMA figure" not in out

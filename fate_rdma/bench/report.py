@@ -12,6 +12,15 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 EMULATED_TAG = " [soft provider: emulated verbs, not an RDMA figure]"
 
 
+def figure_tag(row: Dict[str, Any]) -> str:
+    """A verdict line's label: the soft provider's figures are an emulation; Soft-RoCE (rxe) is real verbs but
+    no RDMA hardware (so labelled); a device's own label otherwise."""
+    if row.get("emulated"):
+        return EMULATED_TAG
+    label = str(row.get("label") or "")
+    return " [rxe: kernel verbs without RDMA hardware]" if "rxe" in label else (f" [{label}]" if label else "")
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 

@@ -60,7 +60,7 @@ from ..protocol.integrity import BLOCK_BYTES
 from . import mooncake
 from .cpu import ceiling as cpu_ceiling, cpu_s, per_gb, usable_cores
 from .driver import PeerProcess, RawTcp
-from .report import EMULATED_TAG, emit, human_bytes, median, table
+from .report import EMULATED_TAG, emit, figure_tag as tag, human_bytes, median, table
 
 MiB = 1 << 20
 #: loopback: the channel between two processes of this host (the soft provider's same-host path where it
@@ -388,14 +388,6 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
                     return r
         return None
 
-    def tag(r: Dict[str, Any]) -> str:
-        """A verdict line's label: the soft provider's figures are an emulation; Soft-RoCE (rxe) is real verbs but
-        no RDMA hardware (so labelled); a device's own label otherwise."""
-        if r.get("emulated"):
-            return EMULATED_TAG
-        label = str(r.get("label") or "")
-        return " [rxe: kernel verbs without RDMA hardware]" if "rxe" in label else (f" [{label}]" if label else "")
-
     def x_raw(r: Dict[str, Any], raw: Dict[str, Any]) -> str:
         """fedrdma-e / raw TCP throughput of row `r`: against the raw TCP row `raw`, and the median of its pairs
         (_paired) where it has them (both printed: the two can differ by a fifth on this machine)."""
@@ -418,12 +410,10 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
             print(f"same host, data path {path}{tag(r)}: fedrdma-e / raw TCP throughput = {x_raw(r, raw)} (target >= 2)")
             continue
         grpc = f"; fedrdma-e / gRPC stream = {gs['seconds'] / r['seconds']:.2f} (target >= 2)" if gs else ""
-        if path == "tcp":  # (scenario loopback over TCP: the same-host path was off or unusable)
-            where = "over loopback TCP (as between hosts" + (", same-host path not taken" if scen == "loopback" else "")
-        else:  # a device's verbs (pyverbs: rxe, or a NIC)
-            where = f"{scen}, data path {path} ("
-        print(f"{where}{'' if where.endswith('(') else ', '}checksum {r.get('checksum')}){tag(r)}: fedrdma-e / raw TCP "
-              f"throughput = {x_raw(r, raw)} (target >= {0.95 if path == 'tcp' else 0.8}){grpc}")
+        where = (f"over loopback TCP (as between hosts{', same-host path not taken' if scen == 'loopback' else ''}, "
+                 if path == "tcp" else f"{scen}, data path {path} (")  # (else a device's verbs: rxe, or a NIC)
+        print(f"{where}checksum {r.get('checksum')}){tag(r)}: fedrdma-e / raw TCP throughput = {x_raw(r, raw)} "
+              f"(target >= {0.95 if path == 'tcp' else 0.8}){grpc}")
         if path == "tcp":
             line = cpu_ceiling(r, raw, nbytes, usable_cores())
             if line:
