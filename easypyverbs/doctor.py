@@ -98,9 +98,9 @@ def render(rep: Dict[str, Any]) -> str:
 def _same_host() -> Dict[str, Any]:
     from .providers.soft import samehost, shm
 
+    ok, why = samehost.available()
     if not samehost.enabled_by_env():
-        return {"on": False, "why": "switched off by EASYPYVERBS_SOFT_SAME_HOST"}
-    ok, why = samehost.self_test()
+        return {"on": False, "why": why}
     shm_ok, shm_why = shm.self_test() if ok else (False, "the same-host path is off")
     return {"on": ok, "why": why, "copy_threads": samehost.COPY_THREADS, "shared_memory": shm_ok,
             "shared_memory_why": shm_why}

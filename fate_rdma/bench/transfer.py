@@ -60,7 +60,7 @@ from ..protocol.integrity import BLOCK_BYTES
 from . import mooncake
 from .cpu import ceiling as cpu_ceiling, cpu_s, per_gb, usable_cores
 from .driver import PeerProcess, RawTcp
-from .report import EMULATED_TAG, emit, figure_tag as tag, human_bytes, median, table
+from .report import emit, figure_tag as tag, human_bytes, median, table
 
 MiB = 1 << 20
 #: loopback: the channel between two processes of this host (the soft provider's same-host path where it
@@ -373,7 +373,7 @@ def _tls_verdicts(rows: List[Dict[str, Any]]) -> None:
         plain = next((p for p in rows if p.get("tls") is False and p["scenario"] == r["scenario"]
                       and p["method"] == r["method"] and str(p["window"])[:4] == str(r["window"])[:4]), None)
         if plain:
-            emu = EMULATED_TAG if r["emulated"] else ""
+            emu = tag(r)
             print(f"tls cost{emu}: {r['scenario']} {r['method']} window {r['window']}: {plain['seconds']:.3f} s plain "
                   f"({plain.get('gbps')} Gbit/s, {plain['path']}) -> {r['seconds']:.3f} s with TLS ({r.get('gbps')} "
                   f"Gbit/s, {r['path']}): {100 * (r['seconds'] / plain['seconds'] - 1):+.0f}% time")
