@@ -25,8 +25,10 @@ import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import ChannelConfig
+from ..trace import ENV as TRACE_ENV
 from .fate_report import TIMERS, print_breakdowns, print_late_starts, verdicts
 from .report import emit, human_bytes, median, table
+from .timeline import print_report as print_timeline
 
 ROLES = ("guest", "host", "arbiter")
 PARTIES = ["guest:9999", "host:10000", "arbiter:10000"]
@@ -67,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "only where its copy costs less than the round trip to its parties, which on this machine's "
                         "loopback is never; true: every put is copied, the default before 2026-11-27; false: none)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
+    p.add_argument("--trace", action="store_true",
+                   help="trace every fate-rdma job (FATE_RDMA_TRACE, fate_rdma/trace.py) and print after it where each "
+                        "transfer spent its time, from FATE's put to FATE's get returning (`bench timeline`)")
     p.add_argument("--keep", default=None, help="keep the parties' result files in this folder")
     p.add_argument("--pairs", type=int, default=1,
                    help="run each case's jobs this many times, FATE's job first in odd repetitions and fate-rdma's "
@@ -210,7 +215,7 @@ def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: in
 
 
 def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: int, rounds: int,
-         timeout: int) -> Dict[str, Any]:
+         timeout: int, trace_dir: Optional[str] = None) -> Dict[str, Any]:
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fate_job.py")
     cmd = [sys.executable, job]
     if conf:
@@ -220,7 +225,7 @@ def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: in
             "--out", out]
     print(f"# {method}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     try:
-        p = run_group(cmd, timeout, out)
+        p = run_group(cmd, timeout, out, {**os.environ, TRACE_ENV: trace_dir} if trace_dir else None)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"bench fate: the {method} job did not finish within {timeout} s (stopped)")
     missing = [r for r in ROLES if not os.path.exists(os.path.join(out, f"{r}.json"))]
@@ -230,11 +235,11 @@ def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: in
     return {r: json.load(open(os.path.join(out, f"{r}.json"))) for r in ROLES}
 
 
-def run_group(cmd: List[str], timeout: float, cwd: str) -> subprocess.CompletedProcess:
+def run_group(cmd: List[str], timeout: float, cwd: str, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Run a FATE launcher job in its own process group, and take the whole group down if it overruns
     or we are interrupted: the launcher's party processes would otherwise outlive it."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                         start_new_session=True)
+                         start_new_session=True, env=env)
     try:
         out, err = p.communicate(timeout=timeout)
     except BaseException:
@@ -368,7 +373,11 @@ def run(args: argparse.Namespace) -> int:
                     if method == "fate-rdma":
                         conf = os.path.join(out, "fate_rdma.json")
                         _conf(conf, args, _upload_bytes(scale, rank), data_path)
-                    row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout), args.mode, scale, rank)
+                    traced = os.path.join(out, "trace") if args.trace and method == "fate-rdma" else None
+                    row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout, traced), args.mode,
+                               scale, rank)
+                    if traced:
+                        print_timeline(traced, 1 << 20, f" of the fate-rdma job, path {data_path}, pair {pair + 1}")
                     row.update(path=data_path, pair=pair + 1,
                                descriptors=args.descriptors if method == "fate-rdma" else "-",
                                buffer_puts=args.buffer_puts if method == "fate-rdma" else "-",

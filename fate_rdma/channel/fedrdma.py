@@ -15,6 +15,7 @@ import crc32c
 from easypyverbs.stalls import clock
 
 from .. import protocol as P
+from .. import trace
 from ..errors import IntegrityError, PayloadTooLarge, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
 from ..protocol.policy import StagingCredits
@@ -138,6 +139,8 @@ class StagedReceiver:
         conn.send_ctrl(ack)
         if placed is not None and placed.complete:
             inc = self._incoming.pop(hdr.transfer_id)
+            trace.event("c_arrived", tid=hdr.transfer_id)  # (its chunks are checked as they arrive: verified too)
+            trace.event("c_verified", tid=hdr.transfer_id)
             conn.endpoint.budget.release(hdr.total)  # the application's memory from here on
             conn.deliver(hdr.transfer_id, inc.meta or b"{}", inc.view, "fedrdma", None)
 

@@ -28,6 +28,7 @@ import easypyverbs as ev
 from easypyverbs.stalls import clock
 
 from .. import protocol as P
+from .. import trace
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
 from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE
@@ -264,6 +265,7 @@ class SlotReceiver:
             self.pool.refuse(slot)
             self._credit(slot)
             return
+        trace.event("c_arrived", tid=msg.header.transfer_id)
         landed = conn.mem.slots.landed[slot]  # (of the grant the transfer came under)
         conn.mem.revoke_slot(slot)  # before the checksum: nothing the peer writes from now on lands here
         h = msg.header
@@ -287,6 +289,7 @@ class SlotReceiver:
             self._credit(slot)
             return
         conn.send_ctrl(P.Ctrl(CtrlKind.DONE, h.transfer_id))
+        trace.event("c_verified", tid=h.transfer_id)
         conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot),
                      lambda: self.lend(slot))
 

@@ -39,6 +39,7 @@ class Outgoing:
         self.slot: Optional[int] = None
         self.first_try: Optional[float] = None  # when it first asked for a FedRDMA-E slot
         self.pending_wrs = 0
+        self.posted_any = False  # (a chunk of it was posted: trace's first byte on the wire)
         self.error: Optional[BaseException] = None
         self.started = 0.0
         #: FedRDMA-E: the first checksum block the last PLACED note covered (the receiver checksums from there on)

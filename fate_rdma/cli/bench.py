@@ -1,4 +1,4 @@
-"""`fate-rdma bench verbs|transfer|latency|fate`: figures (JSON lines plus a table), not pass/fail tests."""
+"""`fate-rdma bench verbs|transfer|latency|fate|timeline`: figures (JSON lines plus a table), not pass/fail tests."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ KINDS = {
     "transfer": "fate_rdma.bench.transfer",
     "latency": "fate_rdma.bench.latency",
     "fate": "fate_rdma.bench.fate_federation",
+    "timeline": "fate_rdma.bench.timeline",
 }
 
 

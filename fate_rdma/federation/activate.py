@@ -14,6 +14,8 @@ import os
 import time
 from typing import Any, Dict, Optional
 
+from .. import trace
+
 log = logging.getLogger("fate_rdma.federation")
 
 _explicit: Optional[Dict[str, Any]] = None
@@ -121,6 +123,7 @@ def patch_serdes(pickler_cls: Any, unpickler_cls: Any) -> None:
                     rdma = getattr(federation, "fate_rdma", None)
                     if rdma is not None:
                         rdma.stats["unframe_seconds"] += time.perf_counter() - t0
+                    trace.event("got", name=name, tag=tag, src=trace.party(party))
             return pull.__func__(cls, buffers, ctx, federation, name, tag, party)
 
         pull_framed._fate_rdma = True  # type: ignore[attr-defined]

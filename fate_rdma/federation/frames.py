@@ -20,7 +20,10 @@ import pickle
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
+import crc32c
 import numpy as np
+
+from ..errors import IntegrityError
 
 MAGIC = b"FRDMAfr1"
 ALIGN = 64
@@ -119,6 +122,20 @@ def encode(value: Any, min_array_bytes: int) -> Optional[OutFrame]:
 
 def is_frame(view: Any) -> bool:
     return len(view) >= _HDR.size and bytes(view[:len(MAGIC)]) == MAGIC
+
+
+def checked(data: Any, length: int, crc: Optional[int], frame: bool, what: str) -> Any:
+    """`data` as FATE's get returns it, once its length, checksum (if any) and kind match what was announced
+    (`what`: the object and its sender, for the errors)."""
+    if len(data) != length:
+        raise IntegrityError(f"fate-rdma: {what}: {len(data)} bytes arrived, descriptor says {length}")
+    if crc is not None and crc32c.crc32c(data) != crc:
+        raise IntegrityError(f"fate-rdma: {what}: checksum does not match its descriptor")
+    if frame:
+        if not is_frame(data):
+            raise IntegrityError(f"fate-rdma: {what}: descriptor announces an array frame, payload is not one")
+        return InFrame(data)
+    return data
 
 
 class InFrame:

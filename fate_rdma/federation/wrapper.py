@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import crc32c
 
+from .. import trace
 from ..channel import Endpoint
 from ..channel.buffers import RecvBuffers
 from ..channel.checksum import block_digest
@@ -87,6 +88,7 @@ class RdmaFederation:
         self._shared = SharedCopies(self._give_room)  # copies a put of the same arrays again may share
         self._deferred: Optional[BaseException] = None
         self._stop = False
+        trace.set_party(party_key(self.local))
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
         fed._push_bytes = self._push_bytes
@@ -127,6 +129,7 @@ class RdmaFederation:
                 data = msg.detach()  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
                 if msg.lent:
                     self.stats["lent_bytes"] += data.nbytes
+                trace.event("stored", tid=msg.transfer_id, name=md.get("name"), tag=md.get("tag"), src=md.get("src"))
                 if isinstance(key, tuple):
                     self._store.put(key, (md, data))
                 elif isinstance(key, str):
@@ -183,6 +186,7 @@ class RdmaFederation:
         if not framed and len(v) < self.threshold and not self.announce:
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
         t0 = time.perf_counter()
+        trace.event("put", name=name, tag=tag, bytes=len(v))
         bufs = v.buffers if framed else [v]
         crc: Optional[int] = None
         if self.cfg.channel.checksum == "none":  # else the channel checks every byte end to end already
@@ -200,6 +204,7 @@ class RdmaFederation:
                 except FateRdmaError as exc:
                     err = exc
                 self.stats["send_seconds"] += time.perf_counter() - t1
+                trace.event("put_done", tid=getattr(fut, "transfer_id", None), ok=err is None)
             if err is None and self.announce:
                 if framed or len(v) >= self.threshold:
                     self.stats["rdma_bytes"] += len(v)
@@ -255,6 +260,7 @@ class RdmaFederation:
                 except (PeerUnreachable, ConfigError) as exc:
                     fut = exc
                 sends.append((tuple(p), key, fut))
+                trace.event("put_sent", tid=getattr(fut, "transfer_id", None), dst=party_key(p), name=name, tag=tag)
             if held is not None:
                 live = [f for _, _, f in sends if not isinstance(f, BaseException)]
                 copy, fresh_copy = held[0], fill is not None and not fill.done  # (else shared, or bytes)
@@ -373,6 +379,7 @@ class RdmaFederation:
     # -- pull -----------------------------------------------------------------------------------
     def _pull_bytes(self, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[bytes]:
         self._raise_deferred()
+        trace.event("get", name=name, tag=tag, src=[party_key(p) for p in parties])
         if self.announce:
             return [self._take_announced(name, tag, tuple(p)) for p in parties]
         t0 = time.perf_counter()
@@ -396,7 +403,7 @@ class RdmaFederation:
         t0 = time.perf_counter()
         data = self._store.take(key, self.cfg.pull_timeout_s)
         self.stats["payload_wait_seconds"] += time.perf_counter() - t0
-        return self._checked(data, length, crc, bool(desc.get("frame")), party, name)
+        return frames.checked(data, length, crc, bool(desc.get("frame")), f"{name!r} from {party_key(party)}")
 
     def _take_announced(self, name: str, tag: str, party: Tuple[str, str]) -> Any:
         """descriptors: channel: the object `party` put under (name, tag), with its announced fields checked."""
@@ -412,19 +419,7 @@ class RdmaFederation:
             crc = None if crc is None else int(crc)
         except (ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"fate-rdma: malformed announcement of {name!r} from {party_key(party)}: {exc!r}") from exc
-        return self._checked(data, length, crc, bool(md.get("frame")), party, name)
-
-    def _checked(self, data: Any, length: int, crc: Optional[int], frame: bool, party: Tuple[str, str], name: str) -> Any:
-        """`data` as FATE's get returns it, once its length, checksum (if any) and kind match what was announced."""
-        if len(data) != length:
-            raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: {len(data)} bytes arrived, descriptor says {length}")
-        if crc is not None and crc32c.crc32c(data) != crc:
-            raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: checksum does not match its descriptor")
-        if frame:
-            if not frames.is_frame(data):
-                raise IntegrityError(f"fate-rdma: {name!r} from {party_key(party)}: descriptor announces an array frame, payload is not one")
-            return frames.InFrame(data)
-        return data
+        return frames.checked(data, length, crc, bool(md.get("frame")), f"{name!r} from {party_key(party)}")
 
     # -- teardown -------------------------------------------------------------------------------
     def _destroy(self) -> None:

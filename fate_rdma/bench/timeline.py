@@ -1,0 +1,149 @@
+"""Timeline: where each transfer of a traced job spent its time, from FATE's put to FATE's get returning.
+
+Reads the trace files a job wrote with FATE_RDMA_TRACE set to FOLDER (fate_rdma/trace.py: every party's
+process, one clock for the host) and splits every transfer into its steps, in order:
+  put_to_wire    FATE's put began -> the transfer's first chunk posted (framing the object, connecting,
+                 waiting behind the connection's earlier transfers and for a receive slot)
+  wire           first chunk posted -> the receiver holds every byte (FedRDMA-E: its header landed)
+  verify         -> the receiver's checksum held (its verdict sent)
+  to_store       -> the wrapper's store holds it (the endpoint's inbox, the wrapper's receive thread)
+  get_to_store   when FATE's get began, relative to the store's having it: > 0 the get waited that long for
+                 the bytes (the transfer was the get's critical path); < 0 the bytes waited for the get
+  to_got         max(store has it, get began) -> FATE's get returns the object (the hand-off, the unframing)
+  verdict        verified -> the sender's put has its verdict back
+and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
+table. Every figure is a difference of CLOCK_MONOTONIC readings of one host: a job whose parties ran on
+several hosts can only be read within a party. `fate-rdma bench fate --trace` traces its fate-rdma jobs
+and prints this after each; set FATE_RDMA_TRACE in a FATE job's environment to trace any job.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Tuple
+
+from .report import emit, human_bytes, median, table
+
+STEPS = ("put_to_wire", "wire", "verify", "to_store", "get_to_store", "to_got", "verdict")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", help="the folder FATE_RDMA_TRACE named for the job (trace-<pid>.jsonl files)")
+    p.add_argument("--min-bytes", type=int, default=0, help="leave out transfers smaller than this (default: none)")
+
+
+def load(folder: str) -> List[Dict[str, Any]]:
+    """Every event of every trace file in `folder`, in time order (a line cut short by a killed process is
+    skipped)."""
+    events = []
+    for path in sorted(glob.glob(os.path.join(folder, "trace-*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(e, dict) and isinstance(e.get("t"), (int, float)) and isinstance(e.get("ev"), str):
+                    events.append(e)
+    events.sort(key=lambda e: e["t"])
+    return events
+
+
+def _last_before(events: List[Dict[str, Any]], t: float) -> Optional[Dict[str, Any]]:
+    best = None
+    for e in events:
+        if e["t"] <= t:
+            best = e
+    return best
+
+
+def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One record per traced transfer that reached the receiver's store: its parties, FATE's name, bytes,
+    and the STEPS (seconds; None where an event is missing, e.g. FedRDMA-E's header on FedRDMA)."""
+    by_tid: Dict[Any, Dict[str, Dict[str, Any]]] = defaultdict(dict)
+    puts: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    gets: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    gots: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        ev = e["ev"]
+        if "tid" in e and e["tid"] is not None:
+            slot = by_tid[e["tid"]]
+            if ev == "c_header" or ev not in slot:  # (FedRDMA posts a header per chunk: the last counts)
+                slot[ev] = e
+        elif ev == "put":
+            puts[(e.get("who", ""), str(e.get("name")), str(e.get("tag")))].append(e)
+        elif ev == "get":
+            for src in e.get("src") or []:
+                gets[(e.get("who", ""), str(e.get("name")), str(e.get("tag")))].append(dict(e, src=src))
+        elif ev == "got":
+            gots[(e.get("who", ""), str(e.get("name")), str(e.get("tag")), str(e.get("src")))].append(e)
+    out = []
+    for tid, s in by_tid.items():
+        stored, sent = s.get("stored"), s.get("put_sent")
+        if stored is None or sent is None:
+            continue
+        name, tag, src, dst = str(stored.get("name")), str(stored.get("tag")), str(stored.get("src")), stored.get("who", "")
+        t = {k: v["t"] for k, v in s.items()}
+        put = _last_before(puts.get((sent.get("who", ""), name, tag), []), sent["t"])
+        get = next((g for g in gets.get((dst, name, tag), []) if g["src"] == src), None)
+        got = next((g for g in gots.get((dst, name, tag, src), []) if g["t"] >= t["stored"]), None)
+
+        def span(a: Optional[float], b: Optional[float]) -> Optional[float]:
+            return None if a is None or b is None else b - a
+        arrived = t.get("c_arrived")
+        ready = None if get is None else max(get["t"], t["stored"])
+        out.append({"tid": tid, "src": src, "dst": dst, "name": name, "tag": tag,
+                    "bytes": (s.get("c_deliver") or s.get("c_send") or {}).get("bytes"),
+                    "put_to_wire": span(put["t"] if put else None, t.get("c_first")),
+                    "wire": span(t.get("c_first"), arrived),
+                    "verify": span(arrived, t.get("c_verified")),
+                    "to_store": span(t.get("c_verified"), t["stored"]),
+                    "get_to_store": span(get["t"] if get else None, t["stored"]),
+                    "to_got": span(ready, got["t"] if got else None),
+                    "verdict": span(t.get("c_verified"), t.get("put_done", t.get("c_done")))})
+    return out
+
+
+def summarize(recs: List[Dict[str, Any]], min_bytes: int = 0) -> List[Dict[str, Any]]:
+    """Medians of the STEPS per (sender, receiver, object name), largest transfers first."""
+    groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        if (r["bytes"] or 0) >= min_bytes:
+            groups[(r["src"], r["dst"], r["name"])].append(r)
+    rows = []
+    for (src, dst, name), rs in groups.items():
+        sizes = [r["bytes"] for r in rs if r["bytes"] is not None]
+        row: Dict[str, Any] = {"bench": "timeline", "src": src, "dst": dst, "name": name, "transfers": len(rs),
+                               "bytes": int(median(sizes)) if sizes else None}
+        for k in STEPS:
+            xs = [r[k] for r in rs if r[k] is not None]
+            row[k] = round(median(xs), 4) if xs else None
+        rows.append(row)
+    rows.sort(key=lambda r: (-(r["bytes"] or 0), r["src"], r["dst"]))
+    return rows
+
+
+def print_report(folder: str, min_bytes: int = 0, title: str = "") -> List[Dict[str, Any]]:
+    rows = summarize(transfers(load(folder)), min_bytes)
+    if not rows:
+        print(f"timeline: no complete transfer in {folder} (was FATE_RDMA_TRACE set for the job's parties?)")
+        return rows
+    for r in rows:
+        emit(r)
+    print(f"timeline{title}: seconds per transfer, medians (a step missing: '-'; get_to_store > 0: the get waited "
+          f"for the bytes, < 0: the bytes waited for the get)")
+    shown = [dict(r, size="-" if r["bytes"] is None else human_bytes(r["bytes"]),
+                  **{k: "-" if r[k] is None else f"{r[k]:.4f}" for k in STEPS}) for r in rows]
+    table(shown, ["src", "dst", "name", "transfers", "size", *STEPS])
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.folder):
+        print(f"bench timeline: {args.folder} is not a folder", file=sys.stderr)
+        return 2
+    return 0 if print_report(args.folder, args.min_bytes) else 1
