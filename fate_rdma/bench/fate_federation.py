@@ -25,6 +25,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import ChannelConfig
+from ..hugepages import requested as huge_pages_requested, with_huge_pages, without_huge_pages
 from ..trace import ENV as TRACE_ENV
 from .fate_report import TIMERS, print_breakdowns, print_late_starts, verdicts
 from .report import emit, human_bytes, median, table
@@ -69,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "only where its copy costs less than the round trip to its parties, which on this machine's "
                         "loopback is never; true: every put is copied, the default before 2026-11-27; false: none)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
+    p.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
+                   help="auto (default, as `fate-rdma launch`): every job's processes, FATE's own included, and the "
+                        "channel-alone baselines start with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel "
+                        "and glibc allow it (the arrays FATE allocates with malloc in huge pages, as numpy's own "
+                        "are: fate_rdma/hugepages.py); off: none of them")
     p.add_argument("--trace", action="store_true",
                    help="trace every fate-rdma job (FATE_RDMA_TRACE, fate_rdma/trace.py) and print after it where each "
                         "transfer spent its time, from FATE's put to FATE's get returning (`bench timeline`)")
@@ -218,8 +224,8 @@ def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: in
          timeout: int, trace_dir: Optional[str] = None) -> Dict[str, Any]:
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fate_job.py")
     cmd = [sys.executable, job]
-    if conf:
-        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", conf, job]
+    if conf:  # (the environment decides huge pages for every job alike: run())
+        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", conf, "--huge-pages", "off", job]
     cmd += ["--parties", *PARTIES, "--log_level", "WARNING", "--scale", str(scale), "--lora_rank", str(lora_rank),
             "--rounds", str(rounds),
             "--out", out]
@@ -356,6 +362,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"bench fate: --lora-ranks wants a comma list of integers, got {args.lora_ranks!r}", file=sys.stderr)
         return 2
+    saved = dict(os.environ)
+    try:
+        return _run(args, methods, cases, rounds, pairs)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, int, List[str]]], rounds: int,
+         pairs: int) -> int:
+    # every job and baseline process of the run starts with the same environment (FATE's own job too)
+    env, done = with_huge_pages(os.environ) if args.huge_pages == "auto" else \
+        (without_huge_pages(os.environ), "off (--huge-pages off)")
+    os.environ.clear()
+    os.environ.update(env)
+    huge = huge_pages_requested(os.environ)
+    print(f"# malloc huge pages in every job's and baseline's processes: {done}", file=sys.stderr, flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="fate-rdma-bench-") as tmp:
         base = args.keep or tmp
@@ -378,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
                                scale, rank)
                     if traced:
                         print_timeline(traced, 1 << 20, f" of the fate-rdma job, path {data_path}, pair {pair + 1}")
-                    row.update(path=data_path, pair=pair + 1,
+                    row.update(path=data_path, pair=pair + 1, malloc_huge_pages=huge,
                                descriptors=args.descriptors if method == "fate-rdma" else "-",
                                buffer_puts=args.buffer_puts if method == "fate-rdma" else "-",
                                chunks_up=-(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None,

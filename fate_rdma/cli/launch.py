@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import runpy
 import shutil
@@ -22,7 +23,10 @@ example:
       --parties guest:9999 host:10000 arbiter:10000 --log_level WARNING
 
 The script runs as with `python SCRIPT`, with FATE_RDMA_CONF set for every party process it starts (the
-start-up hook must be installed: `fate-rdma hook install`, which make does). When every endpoint is on
+start-up hook must be installed: `fate-rdma hook install`, which make does), and, unless --huge-pages off,
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel (transparent huge pages: madvise or always) and
+glibc (2.35+) allow it: the arrays FATE's secure aggregation allocates with malloc then sit in huge pages,
+which the channel reads and registers faster (same-host GPT-2 rounds here: 0.24 s against 0.32 s). When every endpoint is on
 this machine and the section names no secret_file (and tls is off), the job gets a fresh secret, so the
 parties authenticate each other; parties on other hosts need the site's secret_file.
 
@@ -39,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
     p.add_argument("--conf", required=True, help="YAML/JSON file with a fate_rdma section (see conf/fate_rdma_launcher.yaml)")
+    p.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
+                   help="auto (default): start the party processes with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where "
+                        "the kernel and glibc allow it, so the arrays FATE allocates with malloc sit in huge pages, "
+                        "which the channel reads and registers faster (fate_rdma/hugepages.py); off: leave the "
+                        "environment as it is")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
@@ -77,6 +86,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         conf, secret_dir = _with_job_secret(section)  # every party of this job on this machine: a fresh secret
     os.environ["FATE_RDMA_CONF"] = conf  # reaches the spawned party processes
+    if args.huge_pages == "auto":  # (read by glibc when a process starts: FATE's launcher spawns fresh ones)
+        from ..hugepages import with_huge_pages
+
+        env, done = with_huge_pages(os.environ)
+        os.environ.update(env)
+        logging.getLogger("fate_rdma.launch").info("fate-rdma launch: malloc huge pages for the parties: %s", done)
     from ..federation.hook import install_import_hook
 
     install_import_hook()

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import crc32c
 
-from .. import trace
+from .. import hugepages, trace
 from ..channel import Endpoint
 from ..channel.buffers import RecvBuffers
 from ..channel.checksum import block_digest
@@ -89,6 +89,7 @@ class RdmaFederation:
         self._deferred: Optional[BaseException] = None
         self._stop = False
         trace.set_party(party_key(self.local))
+        log.info("fate-rdma: %s: %s", party_key(self.local), hugepages.describe())
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
         fed._push_bytes = self._push_bytes

@@ -1,0 +1,94 @@
+"""Huge pages for the arrays FATE's party processes allocate (glibc's malloc tunable).
+
+The payloads fate-rdma moves are arrays FATE makes: its secure aggregation's mixed weights and averages
+come from Rust code that allocates with malloc, so they sit in 4 KiB pages (numpy's own arrays of 4 MiB
+and more get transparent huge pages already: numpy asks for them). Reading 4 KiB pages of another process
+costs the kernel a page pin each: the soft provider's same-host path (process_vm_readv) moved them at
+5.4 GB/s a thread here against 13.7 GB/s from huge pages, and a verbs NIC pins (registers) every page of
+what it sends too. With `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` in a process's environment when it starts,
+glibc's malloc asks for transparent huge pages on its memory as numpy does (glibc 2.35 and later; the
+kernel's THP mode must be `madvise` or `always`). It is read once, at process start, so it must be in the
+environment the party processes are started with: `fate-rdma launch` puts it there (`--huge-pages off`
+leaves the environment alone); under fate-flow, export it where the fate-flow server starts (its task
+processes inherit its environment). Nothing else changes: no memory is reserved, and where the kernel has
+no huge page to give, malloc gets 4 KiB pages as before.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Mapping, Optional, Tuple
+
+TUNABLE = "glibc.malloc.hugetlb"
+SETTING = f"{TUNABLE}=1"
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_ENABLED) -> Optional[str]:
+    """The kernel's transparent huge page mode (always, madvise, never), or None where it has none."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return None
+    chosen = [w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")]
+    return chosen[0] if chosen else None
+
+
+def _glibc() -> Optional[Tuple[int, int]]:
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # type: ignore[union-attr]
+        major, minor = version.split(".")[:2]
+        return (int(major), int(minor)) if name == "glibc" else None
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def possible() -> Tuple[bool, str]:
+    """Can malloc's huge pages be had here, and why not."""
+    mode = thp_mode()
+    if mode not in ("always", "madvise"):
+        return False, f"the kernel's transparent huge pages are {mode or 'absent'}"
+    libc = _glibc()
+    if libc is None or libc < (2, 35):
+        return False, f"glibc {'.'.join(map(str, libc)) if libc else 'not found'} has no {TUNABLE} (2.35 and later)"
+    return True, f"transparent huge pages: {mode}; glibc {libc[0]}.{libc[1]}"
+
+
+def requested(env: Mapping[str, str] = os.environ) -> bool:
+    """Does `env` ask glibc's malloc for huge pages (a process started with it has them)?"""
+    return any(part.strip().startswith(TUNABLE + "=") and part.strip() != f"{TUNABLE}=0"
+               for part in env.get("GLIBC_TUNABLES", "").split(":"))
+
+
+def with_huge_pages(env: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
+    """`env` with malloc's huge pages asked for where they can be had, and what was done (for a log line).
+    A GLIBC_TUNABLES that names the tunable already is left as it is (the user's choice)."""
+    out = dict(env)
+    if TUNABLE in env.get("GLIBC_TUNABLES", ""):
+        return out, f"GLIBC_TUNABLES already sets {TUNABLE}: left as it is"
+    ok, why = possible()
+    if not ok:
+        return out, f"not asked for: {why}"
+    out["GLIBC_TUNABLES"] = ":".join(p for p in (env.get("GLIBC_TUNABLES", ""), SETTING) if p)
+    return out, f"asked for ({SETTING}; {why})"
+
+
+def without_huge_pages(env: Mapping[str, str]) -> Dict[str, str]:
+    """`env` with the tunable taken out of GLIBC_TUNABLES (benchmarks' `--huge-pages off`)."""
+    out = dict(env)
+    rest = [p for p in env.get("GLIBC_TUNABLES", "").split(":") if p and not p.startswith(TUNABLE + "=")]
+    if rest:
+        out["GLIBC_TUNABLES"] = ":".join(rest)
+    else:
+        out.pop("GLIBC_TUNABLES", None)
+    return out
+
+
+def describe() -> str:
+    """One line for `doctor`: whether this process has them, and how FATE's processes get them."""
+    ok, why = possible()
+    if requested():
+        return f"malloc huge pages: asked for in this process (GLIBC_TUNABLES; {why})"
+    if not ok:
+        return f"malloc huge pages: not available ({why})"
+    return (f"malloc huge pages: available ({why}), not asked for in this process; `fate-rdma launch` asks for "
+            f"them in FATE's party processes; under fate-flow export GLIBC_TUNABLES={SETTING} where its server starts")
