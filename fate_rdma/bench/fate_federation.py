@@ -221,11 +221,11 @@ def _channel_alone_row(row: Dict[str, Any], args: argparse.Namespace, rounds: in
 
 
 def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: int, rounds: int,
-         timeout: int, trace_dir: Optional[str] = None) -> Dict[str, Any]:
+         timeout: int, trace_dir: Optional[str] = None, huge_pages: str = "auto") -> Dict[str, Any]:
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fate_job.py")
     cmd = [sys.executable, job]
-    if conf:  # (the environment decides huge pages for every job alike: run())
-        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", conf, "--huge-pages", "off", job]
+    if conf:  # (run() gave every job the same environment: launch adds nothing to it, or takes nothing out)
+        cmd = [sys.executable, "-m", "fate_rdma.cli", "launch", "--conf", conf, "--huge-pages", huge_pages, job]
     cmd += ["--parties", *PARTIES, "--log_level", "WARNING", "--scale", str(scale), "--lora_rank", str(lora_rank),
             "--rounds", str(rounds),
             "--out", out]
@@ -397,8 +397,8 @@ def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, 
                         conf = os.path.join(out, "fate_rdma.json")
                         _conf(conf, args, _upload_bytes(scale, rank), data_path)
                     traced = os.path.join(out, "trace") if args.trace and method == "fate-rdma" else None
-                    row = _row(method, _job(method, out, conf, scale, rank, rounds, args.timeout, traced), args.mode,
-                               scale, rank)
+                    res = _job(method, out, conf, scale, rank, rounds, args.timeout, traced, args.huge_pages)
+                    row = _row(method, res, args.mode, scale, rank)
                     if traced:
                         print_timeline(traced, 1 << 20, f" of the fate-rdma job, path {data_path}, pair {pair + 1}")
                     row.update(path=data_path, pair=pair + 1, malloc_huge_pages=huge,
@@ -426,6 +426,8 @@ def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, 
                  "round_comm_seconds", "peak_rss", "verified"])
     print_breakdowns(rows, pairs)
     print_late_starts(rows)
+    print(f"malloc huge pages: {'on' if huge else 'off'} in FATE's own jobs and fate-rdma's alike (they speed up FATE's "
+          f"own path too: compare runs with the same --huge-pages)")
     ok = True
     for (scale, rank, ms), data_path in [(c, p) for c in cases for p in paths]:
         for line in verdicts([r for r in rows if r["scale"] == scale and r["lora_rank"] == rank], data_path):
