@@ -16,7 +16,7 @@ no huge page to give, malloc gets 4 KiB pages as before.
 from __future__ import annotations
 
 import os
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 TUNABLE = "glibc.malloc.hugetlb"
 SETTING = f"{TUNABLE}=1"
@@ -26,7 +26,8 @@ THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 def thp_mode(path: str = THP_ENABLED) -> Optional[str]:
     """The kernel's transparent huge page mode (always, madvise, never), or None where it has none."""
     try:
-        text = open(path).read()
+        with open(path) as f:
+            text = f.read()
     except OSError:
         return None
     chosen = [w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")]
@@ -53,29 +54,36 @@ def possible() -> Tuple[bool, str]:
     return True, f"transparent huge pages: {mode}; glibc {libc[0]}.{libc[1]}"
 
 
+def _tunables(env: Mapping[str, str]) -> List[str]:
+    return [p.strip() for p in env.get("GLIBC_TUNABLES", "").split(":") if p.strip()]
+
+
+def _names_it(part: str) -> bool:
+    return part.split("=", 1)[0] == TUNABLE
+
+
 def requested(env: Mapping[str, str] = os.environ) -> bool:
     """Does `env` ask glibc's malloc for huge pages (a process started with it has them)?"""
-    return any(part.strip().startswith(TUNABLE + "=") and part.strip() != f"{TUNABLE}=0"
-               for part in env.get("GLIBC_TUNABLES", "").split(":"))
+    return any(_names_it(p) and p != f"{TUNABLE}=0" for p in _tunables(env))
 
 
 def with_huge_pages(env: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
     """`env` with malloc's huge pages asked for where they can be had, and what was done (for a log line).
     A GLIBC_TUNABLES that names the tunable already is left as it is (the user's choice)."""
     out = dict(env)
-    if TUNABLE in env.get("GLIBC_TUNABLES", ""):
+    if any(_names_it(p) for p in _tunables(env)):
         return out, f"GLIBC_TUNABLES already sets {TUNABLE}: left as it is"
     ok, why = possible()
     if not ok:
         return out, f"not asked for: {why}"
-    out["GLIBC_TUNABLES"] = ":".join(p for p in (env.get("GLIBC_TUNABLES", ""), SETTING) if p)
+    out["GLIBC_TUNABLES"] = ":".join(_tunables(env) + [SETTING])
     return out, f"asked for ({SETTING}; {why})"
 
 
 def without_huge_pages(env: Mapping[str, str]) -> Dict[str, str]:
     """`env` with the tunable taken out of GLIBC_TUNABLES (benchmarks' `--huge-pages off`)."""
     out = dict(env)
-    rest = [p for p in env.get("GLIBC_TUNABLES", "").split(":") if p and not p.startswith(TUNABLE + "=")]
+    rest = [p for p in _tunables(env) if not _names_it(p)]
     if rest:
         out["GLIBC_TUNABLES"] = ":".join(rest)
     else:

@@ -6,20 +6,22 @@ every process of a host, so the files of a single-host job line up without any c
 they do not: compare within a party there). `fate-rdma bench timeline FOLDER` reads them back
 (fate_rdma/bench/timeline.py). Unset (the default), an event costs one test of a module global.
 
-The events, by where they happen (`tid`: the channel's transfer id, which both ends see):
-  wrapper, sender:   put (FATE's put began: name, tag, bytes), put_sent (the channel took it: tid, dst),
-                     put_done (its verdict came back, or it failed: tid)
-  channel, sender:   c_start (the transfer became the active one: a slot granted), c_first (its first chunk
-                     posted: the first byte on the wire), c_header (its header posted: the last), c_done
-                     (the receiver's verdict arrived)
-  channel, receiver: c_arrived (FedRDMA-E: the header landed, every chunk before it placed), c_verified (the
-                     checksum held, the verdict sent), c_deliver (handed to the endpoint's inbox)
-  wrapper, receiver: stored (the get's store has it: tid, name, tag, src), get (FATE's get began: name, tag,
-                     src), got (FATE's get returns the object, unframed: name, tag, src)
+The events, by where they happen (`tid`: the channel's transfer id, which both ends see; unique per sending
+process, so a timeline joins a sender's events and a receiver's on (party, tid)):
+  wrapper, sender:   put (FATE's put began: name, tag, bytes), put_sent (the channel took it: tid, dst, name, tag),
+                     put_done (the put has this party's verdict, or failed: tid)
+  channel, sender:   c_send (queued: tid, bytes, peer), c_start (the connection's active transfer: a slot granted),
+                     c_first (its first chunk posted: the first byte on the wire), c_done (the receiver's verdict
+                     arrived)
+  channel, receiver: c_arrived (every byte placed: FedRDMA-E's header landed, FedRDMA's last chunk), c_verified
+                     (the checksum held; traced before the verdict leaves), c_deliver (into the endpoint's inbox)
+  wrapper, receiver: stored (the get's store has it: tid, name, tag, src), get (FATE's get began: name, tag, src
+                     list), got (FATE's get returns the object, unframed: name, tag, src)
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -53,15 +55,32 @@ def party(p: Any) -> str:
 
 
 def event(ev: str, **fields: Any) -> None:
-    """Record `ev` now (nothing unless FATE_RDMA_TRACE is set)."""
+    """Record `ev` now (nothing unless FATE_RDMA_TRACE is set). Never raises: the channel's threads call it. A
+    trace that cannot be written (a full disk, a folder not writable) is switched off, once, with a warning; an
+    event whose fields cannot be written is left out."""
+    global _dir, _file, _pid
     if _dir is None:
         return
     t = time.monotonic()
-    global _file, _pid
-    line = json.dumps({"t": t, "ev": ev, "who": _who, **fields}, separators=(",", ":"), default=str)
-    with _lock:
-        pid = os.getpid()
-        if _file is None or _pid != pid:  # (a forked child writes its own file)
-            os.makedirs(_dir, exist_ok=True)
-            _file, _pid = open(os.path.join(_dir, f"trace-{pid}.jsonl"), "a", buffering=1), pid
-        _file.write(line + "\n")
+    try:
+        line = json.dumps({"t": t, "ev": ev, "who": _who, **fields}, separators=(",", ":"), default=str)
+        with _lock:
+            pid = os.getpid()
+            if _file is None or _pid != pid:  # (a forked child writes its own file)
+                os.makedirs(_dir, exist_ok=True)
+                _file, _pid = open(os.path.join(_dir, f"trace-{pid}.jsonl"), "a", buffering=1), pid
+            _file.write(line + "\n")
+    except OSError as exc:
+        logging.getLogger("fate_rdma").warning("fate-rdma: tracing to %s switched off: %s", _dir, exc)
+        _dir = None
+    except Exception:  # (a field json cannot take, say): this event only
+        pass
+
+
+def _after_fork() -> None:
+    """A child forked while another thread held the lock gets its own (and its own file)."""
+    global _lock, _file
+    _lock, _file = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork)

@@ -45,7 +45,7 @@ def test_a_transfer_leaves_every_step_in_order(traced, mode):
         if e.get("tid") == tid:
             t.setdefault(e["ev"], e["t"])
     steps = ["c_send", "c_start", "c_first", "c_arrived", "c_verified", "c_deliver"]
-    assert [k for k in steps if k not in t] == [] and "c_header" in t and "c_done" in t
+    assert [k for k in steps if k not in t] == [] and "c_done" in t
     assert [t[k] for k in steps] == sorted(t[k] for k in steps), t
     assert t["c_verified"] <= t["c_done"]
 
@@ -57,34 +57,74 @@ def _write(folder, pid, events):
         f.write('{"t": 9, "ev": "cut sho')  # a line a killed process left half written is skipped
 
 
+G, H, A = "guest:9999", "host:10000", "arbiter:10000"
+
+
+def _upload(t0, src, tid, tag, dst=A, name="model"):
+    """A sender's events and a receiver's events of one traced transfer, t0 + the offsets the test checks."""
+    sender = [{"t": t0, "ev": "put", "who": src, "name": name, "tag": tag, "bytes": 100},
+              {"t": t0 + 0.1, "ev": "c_send", "who": src, "tid": tid, "bytes": 100},
+              {"t": t0 + 0.15, "ev": "put_sent", "who": src, "tid": tid, "name": name, "tag": tag, "dst": dst},
+              {"t": t0 + 0.2, "ev": "c_first", "who": src, "tid": tid},
+              {"t": t0 + 1.5, "ev": "c_done", "who": src, "tid": tid}]
+    peer = f"endpoint-of-{src}"  # (the receiving channel knows its peer by its endpoint's name)
+    receiver = [{"t": t0 + 1.0, "ev": "c_arrived", "who": dst, "tid": tid, "peer": peer},
+                {"t": t0 + 1.25, "ev": "c_verified", "who": dst, "tid": tid, "peer": peer},
+                {"t": t0 + 1.3, "ev": "c_deliver", "who": dst, "tid": tid, "bytes": 100, "peer": peer},
+                {"t": t0 + 1.4, "ev": "stored", "who": dst, "tid": tid, "peer": peer, "name": name, "tag": tag,
+                 "src": src}]
+    return sender, receiver
+
+
+WANT = {"put_to_wire": 0.2, "wire": 0.8, "verify": 0.25, "to_store": 0.15, "get_to_store": 1.35, "to_got": 0.05,
+        "verdict": 0.25}
+
+
 def test_the_timeline_splits_a_transfer_into_its_steps(tmp_path):
-    g, a = "guest:9999", "arbiter:10000"
-    name, tag = "model", "r0"
-    _write(tmp_path, 1, [
-        {"t": 10.0, "ev": "put", "who": g, "name": name, "tag": tag, "bytes": 100},
-        {"t": 10.1, "ev": "c_send", "who": g, "tid": 7, "bytes": 100},
-        {"t": 10.15, "ev": "put_sent", "who": g, "tid": 7, "name": name, "tag": tag, "dst": a},
-        {"t": 10.2, "ev": "c_first", "who": g, "tid": 7},
-        {"t": 10.9, "ev": "c_header", "who": g, "tid": 7},
-        {"t": 11.5, "ev": "put_done", "who": g, "tid": 7, "ok": True},
-    ])
-    _write(tmp_path, 2, [
-        {"t": 10.05, "ev": "get", "who": a, "name": name, "tag": tag, "src": [g]},
-        {"t": 11.0, "ev": "c_arrived", "who": a, "tid": 7},
-        {"t": 11.25, "ev": "c_verified", "who": a, "tid": 7},
-        {"t": 11.3, "ev": "c_deliver", "who": a, "tid": 7, "bytes": 100},
-        {"t": 11.4, "ev": "stored", "who": a, "tid": 7, "name": name, "tag": tag, "src": g},
-        {"t": 11.45, "ev": "got", "who": a, "name": name, "tag": tag, "src": g},
-    ])
+    sender, receiver = _upload(10.0, G, 7, "r0")
+    _write(tmp_path, 1, sender)
+    _write(tmp_path, 2, receiver + [{"t": 10.05, "ev": "get", "who": A, "name": "model", "tag": "r0", "src": [G]},
+                                    {"t": 11.45, "ev": "got", "who": A, "name": "model", "tag": "r0", "src": G}])
     (rec,) = timeline.transfers(timeline.load(str(tmp_path)))
-    want = {"put_to_wire": 0.2, "wire": 0.8, "verify": 0.25, "to_store": 0.15, "get_to_store": 1.35, "to_got": 0.05,
-            "verdict": 0.25}
-    assert {k: round(rec[k], 6) for k in want} == want
-    assert (rec["src"], rec["dst"], rec["bytes"]) == (g, a, 100)
+    assert {k: round(rec[k], 6) for k in WANT} == WANT
+    assert (rec["src"], rec["dst"], rec["bytes"]) == (G, A, 100)
     (row,) = timeline.summarize([rec, dict(rec, bytes=10)], min_bytes=50)
     assert row["transfers"] == 1 and row["wire"] == 0.8
+
+
+def test_two_senders_with_one_tid_and_a_name_reused_across_rounds_stay_apart(tmp_path):
+    """tids are unique per sending process only (two clients may both send tid 7), and FATE may reuse a name
+    and tag in every round: each transfer joins its own sender's events and its own round's get."""
+    events = {G: [], H: [], A: []}
+    for r, t0 in enumerate((10.0, 20.0)):
+        for src, tid, lag in ((G, 7 + r, 0.0), (H, 7 + r, 0.5)):  # the same tids at both clients
+            sender, receiver = _upload(t0 + lag, src, tid, "same-tag")
+            events[src] += sender
+            events[A] += receiver
+        # one get names both sources (FATE's get from several parties), each returns after its bytes
+        events[A].append({"t": t0 + 0.05, "ev": "get", "who": A, "name": "model", "tag": "same-tag", "src": [G, H]})
+        events[A] += [{"t": t0 + 1.45, "ev": "got", "who": A, "name": "model", "tag": "same-tag", "src": G},
+                      {"t": t0 + 1.95, "ev": "got", "who": A, "name": "model", "tag": "same-tag", "src": H}]
+    for pid, who in enumerate((G, H, A)):
+        _write(tmp_path, pid, sorted(events[who], key=lambda e: e["t"]))
+    recs = timeline.transfers(timeline.load(str(tmp_path)))
+    assert sorted((r["src"], r["tid"]) for r in recs) == [(G, 7), (G, 8), (H, 7), (H, 8)]
+    for r in recs:
+        want = dict(WANT, get_to_store=WANT["get_to_store"] + (0.5 if r["src"] == H else 0.0))
+        assert {k: round(r[k], 6) for k in want} == want, r
 
 
 def test_the_report_says_when_a_folder_holds_no_transfer(tmp_path, capsys):
     assert timeline.print_report(str(tmp_path)) == []
     assert "no complete transfer" in capsys.readouterr().out
+
+
+def test_a_trace_that_cannot_be_written_switches_itself_off(tmp_path, monkeypatch, caplog):
+    """The channel's threads call trace.event: a folder it cannot write must not fail a transfer."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(trace, "_dir", str(blocker / "trace"))  # a folder under a file: cannot be made
+    monkeypatch.setattr(trace, "_file", None)
+    trace.event("put", name="x")
+    assert not trace.enabled() and "tracing to" in caplog.text and "switched off" in caplog.text
+    trace.event("put", name="y")  # and stays off, quietly

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -397,6 +398,8 @@ def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, 
                         conf = os.path.join(out, "fate_rdma.json")
                         _conf(conf, args, _upload_bytes(scale, rank), data_path)
                     traced = os.path.join(out, "trace") if args.trace and method == "fate-rdma" else None
+                    if traced:  # (a --keep folder used before holds an earlier job's files)
+                        shutil.rmtree(traced, ignore_errors=True)
                     res = _job(method, out, conf, scale, rank, rounds, args.timeout, traced, args.huge_pages)
                     row = _row(method, res, args.mode, scale, rank)
                     if traced:

@@ -10,7 +10,7 @@ process, one clock for the host) and splits every transfer into its steps, in or
   get_to_store   when FATE's get began, relative to the store's having it: > 0 the get waited that long for
                  the bytes (the transfer was the get's critical path); < 0 the bytes waited for the get
   to_got         max(store has it, get began) -> FATE's get returns the object (the hand-off, the unframing)
-  verdict        verified -> the sender's put has its verdict back
+  verdict        verified -> the sender's channel has the verdict
 and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
 table. Every figure is a difference of CLOCK_MONOTONIC readings of one host: a job whose parties ran on
 several hosts can only be read within a party. `fate-rdma bench fate --trace` traces its fate-rdma jobs
@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .report import emit, human_bytes, median, table
 
+RECEIVER_EVENTS = frozenset({"c_arrived", "c_verified", "c_deliver", "stored"})
 STEPS = ("put_to_wire", "wire", "verify", "to_store", "get_to_store", "to_got", "verdict")
 
 
@@ -61,50 +62,56 @@ def _last_before(events: List[Dict[str, Any]], t: float) -> Optional[Dict[str, A
     return best
 
 
+Key = Tuple[str, str, str]  # (party, FATE's name, tag)
+
+
 def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One record per traced transfer that reached the receiver's store: its parties, FATE's name, bytes,
-    and the STEPS (seconds; None where an event is missing, e.g. FedRDMA-E's header on FedRDMA)."""
-    by_tid: Dict[Any, Dict[str, Dict[str, Any]]] = defaultdict(dict)
-    puts: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
-    gets: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    and the STEPS (seconds; None where an event is missing). A transfer is joined on (party, tid) at its sender
+    and on (party, the connection's peer, tid) at its receiver (tids are unique per sending process only), the
+    receiver's `stored` naming the sender; FATE's put, get and
+    got by (party, name, tag) and time: the put last before the channel took it, the got first after the store
+    had it, the get last before that got (a name and tag FATE reuses across rounds joins each round's own)."""
+    by: Dict[Tuple[str, Any, Any], Dict[str, Dict[str, Any]]] = defaultdict(dict)
+    puts: Dict[Key, List[Dict[str, Any]]] = defaultdict(list)
+    gets: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = defaultdict(list)
     gots: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = defaultdict(list)
+    stored = []
     for e in events:
-        ev = e["ev"]
-        if "tid" in e and e["tid"] is not None:
-            slot = by_tid[e["tid"]]
-            if ev == "c_header" or ev not in slot:  # (FedRDMA posts a header per chunk: the last counts)
-                slot[ev] = e
+        ev, who = e["ev"], str(e.get("who", ""))
+        if e.get("tid") is not None:  # a receiver's events name the connection's peer, a sender's need not
+            by[(who, e.get("peer") if ev in RECEIVER_EVENTS else None, e["tid"])].setdefault(ev, e)
+            if ev == "stored":
+                stored.append(e)
         elif ev == "put":
-            puts[(e.get("who", ""), str(e.get("name")), str(e.get("tag")))].append(e)
-        elif ev == "get":
-            for src in e.get("src") or []:
-                gets[(e.get("who", ""), str(e.get("name")), str(e.get("tag")))].append(dict(e, src=src))
-        elif ev == "got":
-            gots[(e.get("who", ""), str(e.get("name")), str(e.get("tag")), str(e.get("src")))].append(e)
+            puts[(who, str(e.get("name")), str(e.get("tag")))].append(e)
+        elif ev in ("get", "got"):
+            srcs = e.get("src") if ev == "get" else [e.get("src")]
+            for src in srcs if isinstance(srcs, list) else []:
+                (gets if ev == "get" else gots)[(who, str(e.get("name")), str(e.get("tag")), str(src))].append(e)
     out = []
-    for tid, s in by_tid.items():
-        stored, sent = s.get("stored"), s.get("put_sent")
-        if stored is None or sent is None:
-            continue
-        name, tag, src, dst = str(stored.get("name")), str(stored.get("tag")), str(stored.get("src")), stored.get("who", "")
-        t = {k: v["t"] for k, v in s.items()}
-        put = _last_before(puts.get((sent.get("who", ""), name, tag), []), sent["t"])
-        get = next((g for g in gets.get((dst, name, tag), []) if g["src"] == src), None)
-        got = next((g for g in gots.get((dst, name, tag, src), []) if g["t"] >= t["stored"]), None)
+    for st in stored:
+        name, tag, src, dst = str(st.get("name")), str(st.get("tag")), str(st.get("src")), str(st.get("who", ""))
+        snd, rcv = by.get((src, None, st["tid"]), {}), by.get((dst, st.get("peer"), st["tid"]), {})
+        sent = snd.get("put_sent")
+        put = _last_before(puts.get((src, name, tag), []), sent["t"]) if sent else None
+        got = next((g for g in gots.get((dst, name, tag, src), []) if g["t"] >= st["t"]), None)
+        get = _last_before(gets.get((dst, name, tag, src), []), got["t"]) if got else None
+
+        def at(side: Dict[str, Dict[str, Any]], ev: str) -> Optional[float]:
+            return side[ev]["t"] if ev in side else None
 
         def span(a: Optional[float], b: Optional[float]) -> Optional[float]:
             return None if a is None or b is None else b - a
-        arrived = t.get("c_arrived")
-        ready = None if get is None else max(get["t"], t["stored"])
-        out.append({"tid": tid, "src": src, "dst": dst, "name": name, "tag": tag,
-                    "bytes": (s.get("c_deliver") or s.get("c_send") or {}).get("bytes"),
-                    "put_to_wire": span(put["t"] if put else None, t.get("c_first")),
-                    "wire": span(t.get("c_first"), arrived),
-                    "verify": span(arrived, t.get("c_verified")),
-                    "to_store": span(t.get("c_verified"), t["stored"]),
-                    "get_to_store": span(get["t"] if get else None, t["stored"]),
-                    "to_got": span(ready, got["t"] if got else None),
-                    "verdict": span(t.get("c_verified"), t.get("put_done", t.get("c_done")))})
+        out.append({"tid": st["tid"], "src": src, "dst": dst, "name": name, "tag": tag,
+                    "bytes": (rcv.get("c_deliver") or snd.get("c_send") or {}).get("bytes"),
+                    "put_to_wire": span(put["t"] if put else None, at(snd, "c_first")),
+                    "wire": span(at(snd, "c_first"), at(rcv, "c_arrived")),
+                    "verify": span(at(rcv, "c_arrived"), at(rcv, "c_verified")),
+                    "to_store": span(at(rcv, "c_verified"), st["t"]),
+                    "get_to_store": span(get["t"] if get else None, st["t"]),
+                    "to_got": span(None if get is None else max(get["t"], st["t"]), got["t"] if got else None),
+                    "verdict": span(at(rcv, "c_verified"), at(snd, "c_done"))})
     return out
 
 

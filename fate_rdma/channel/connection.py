@@ -16,14 +16,12 @@ import itertools
 import json
 import logging
 import threading
-import time
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import easypyverbs as ev
 from easypyverbs.stalls import clock
 
 from .. import protocol as P
-from .. import trace
 from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
@@ -147,7 +145,6 @@ class Connection:
         if fill is not None:
             fill.on_change(self.cq.wake)
         self._request(Request.SEND, out)
-        trace.event("c_send", tid=tid, bytes=payload.total, peer=self.peer)
         return fut
 
     def _request(self, kind: Request, arg: Any) -> None:
@@ -238,10 +235,9 @@ class Connection:
         machine = engine.machine(o, w, common)  # type: ignore[union-attr]
         if machine is None:
             return False
-        o.machine, o.mode, o.started = machine, mode, time.monotonic()  # (`now` leaves out holds: for deadlines)
+        o.begin(machine, mode)
         o.fut.mode, o.fut.window, o.fut.chunks = mode.value, machine.window, len(machine.chunks)
         self._active = o
-        trace.event("c_start", tid=o.fut.transfer_id, mode=mode.value)
         return True
 
     def _pump(self) -> None:
@@ -285,9 +281,7 @@ class Connection:
             o.pending_wrs += 1
             return self._wr_id(Wr.DATA, o, seq, 0)
 
-        if not o.posted_any:
-            o.posted_any = True
-            trace.event("c_first", tid=o.fut.transfer_id)
+        o.note_posted()
         post_chunk(qp, o.payload.sges(c.offset, c.length), c.offset, in_place, remote, roff,
                    signal if signal_last else None)
 
@@ -297,7 +291,6 @@ class Connection:
         idx, sge = self.mem.put_header(P.encode_header(hdr), o.meta if hdr.meta_len else b"")  # type: ignore[union-attr]
         o.pending_wrs += 1
         qp.post_write_with_imm(sge, remote, imm, remote_offset=roff, wr_id=self._wr_id(Wr.HEADER, o, seq, idx))
-        trace.event("c_header", tid=o.fut.transfer_id)  # (FedRDMA: one a chunk; the last is the transfer's last)
 
     # -- completions ----------------------------------------------------------------------------
     def _on_wc(self, wc: ev.WC) -> None:
@@ -329,8 +322,7 @@ class Connection:
     def finish_out(self, o: Outgoing) -> None:
         o.payload.close()
         self.unset_active(o)
-        secs = time.monotonic() - o.started
-        trace.event("c_done", tid=o.fut.transfer_id)
+        secs = o.finished()
         o.fut.set_result({"transfer_id": o.fut.transfer_id, "bytes": o.payload.total, "seconds": secs,
                           "mode": o.mode.value if o.mode else "", "window": o.fut.window, "chunks": o.fut.chunks,
                           "qps": self.active_qps})
@@ -396,7 +388,6 @@ class Connection:
             md = json.loads(meta or b"{}")
         except ValueError:
             md = {"_raw_metadata": meta.hex()}
-        trace.event("c_deliver", tid=tid, bytes=view.nbytes, peer=self.peer)
         self.endpoint._inbox_put(Message(self.peer, tid, md, view, mode, releaser, self.endpoint.recv_buffers.get, lend))
 
     # -- control sends --------------------------------------------------------------------------

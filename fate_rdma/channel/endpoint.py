@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 import easypyverbs as ev
 from easypyverbs import stalls
 
+from .. import trace
 from ..config import ChannelConfig
 from ..errors import AuthenticationError, ConfigError, PeerUnreachable, TransferTimeout
 from .auth import authenticate, load_secret
@@ -357,9 +358,12 @@ class Endpoint:
              fill: Optional[Fill] = None) -> TransferFuture:
         """Send `buffers` (bytes, memoryview, numpy array or a list of them) with `metadata` to `address`;
         with `fill`, buffers still being copied into (back to front): chunks go as their bytes are final."""
-        return self.connect(address).send(buffers, metadata, fill)
+        fut = self.connect(address).send(buffers, metadata, fill)
+        trace.event("c_send", tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
+        return fut
 
     def _inbox_put(self, msg: Message) -> None:
+        trace.event("c_deliver", tid=msg.transfer_id, bytes=msg.nbytes, peer=msg.peer)
         self._inbox.put(msg)
 
     def recv(self, timeout: Optional[float] = None) -> Message:

@@ -265,7 +265,7 @@ class SlotReceiver:
             self.pool.refuse(slot)
             self._credit(slot)
             return
-        trace.event("c_arrived", tid=msg.header.transfer_id)
+        trace.event("c_arrived", tid=msg.header.transfer_id, peer=conn.peer)
         landed = conn.mem.slots.landed[slot]  # (of the grant the transfer came under)
         conn.mem.revoke_slot(slot)  # before the checksum: nothing the peer writes from now on lands here
         h = msg.header
@@ -288,8 +288,8 @@ class SlotReceiver:
             conn.refuse(h.transfer_id, ErrorCode.INTEGRITY, str(exc))
             self._credit(slot)
             return
+        trace.event("c_verified", tid=h.transfer_id, peer=conn.peer)  # (before the verdict leaves: the sender's c_done follows it)
         conn.send_ctrl(P.Ctrl(CtrlKind.DONE, h.transfer_id))
-        trace.event("c_verified", tid=h.transfer_id)
         conn.deliver(h.transfer_id, bytes(meta), payload, "fedrdma-e", lambda: conn.release_slot(slot),
                      lambda: self.lend(slot))
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any, Optional
 
+from .. import trace
 from ..protocol.integrity import Integrity
 from ..protocol.policy import Mode
 from .transfer import Payload, TransferFuture
@@ -39,8 +41,24 @@ class Outgoing:
         self.slot: Optional[int] = None
         self.first_try: Optional[float] = None  # when it first asked for a FedRDMA-E slot
         self.pending_wrs = 0
-        self.posted_any = False  # (a chunk of it was posted: trace's first byte on the wire)
+        self.posted_any = False  # (a chunk of it was posted)
         self.error: Optional[BaseException] = None
         self.started = 0.0
         #: FedRDMA-E: the first checksum block the last PLACED note covered (the receiver checksums from there on)
         self.noted: Optional[int] = None
+
+    def begin(self, machine: Any, mode: Mode) -> None:
+        """It becomes its connection's active transfer (a receive slot granted, where FedRDMA-E needs one)."""
+        self.machine, self.mode, self.started = machine, mode, time.monotonic()  # (not the held clock: for the result)
+        trace.event("c_start", tid=self.fut.transfer_id, mode=mode.value)
+
+    def finished(self) -> float:
+        """Its verdict arrived: seconds since it began."""
+        trace.event("c_done", tid=self.fut.transfer_id)
+        return time.monotonic() - self.started
+
+    def note_posted(self) -> None:
+        """A chunk of it is being posted: the first is the transfer's first byte on the wire (trace)."""
+        if not self.posted_any:
+            self.posted_any = True
+            trace.event("c_first", tid=self.fut.transfer_id)

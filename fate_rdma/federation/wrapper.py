@@ -51,6 +51,7 @@ class RdmaFederation:
     def __init__(self, fed: Any, computing: Any, cfg: RdmaFederationConfig) -> None:
         self.fed, self.computing, self.cfg = fed, computing, cfg
         self.local = tuple(fed.local_party)
+        trace.set_party(party_key(self.local))  # (before its endpoint can see a transfer)
         me = cfg.address_of(self.local)
         host, _, port = me.rpartition(":")
         # only the job's parties may connect, each proving its own endpoint address (with a secret)
@@ -88,7 +89,6 @@ class RdmaFederation:
         self._shared = SharedCopies(self._give_room)  # copies a put of the same arrays again may share
         self._deferred: Optional[BaseException] = None
         self._stop = False
-        trace.set_party(party_key(self.local))
         log.info("fate-rdma: %s: %s", party_key(self.local), hugepages.describe())
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
@@ -130,7 +130,7 @@ class RdmaFederation:
                 data = msg.detach()  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
                 if msg.lent:
                     self.stats["lent_bytes"] += data.nbytes
-                trace.event("stored", tid=msg.transfer_id, name=md.get("name"), tag=md.get("tag"), src=md.get("src"))
+                trace.event("stored", tid=msg.transfer_id, peer=msg.peer, name=md.get("name"), tag=md.get("tag"), src=md.get("src"))
                 if isinstance(key, tuple):
                     self._store.put(key, (md, data))
                 elif isinstance(key, str):
