@@ -26,10 +26,11 @@ The script runs as with `python SCRIPT`, with FATE_RDMA_CONF set for every party
 start-up hook must be installed: `fate-rdma hook install`, which make does), and, unless --huge-pages off,
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel (transparent huge pages: madvise or always) and
 glibc (2.35+) allow it: the arrays FATE's secure aggregation allocates with malloc then sit in huge pages,
-which the channel reads and registers faster (same-host GPT-2 rounds here: 0.24 s against 0.32 s; FATE's own
-work gains too: its rounds 4.7 s against 8.2 s). When every endpoint is on this machine and the section
-names no secret_file (and tls is off), the job gets a fresh secret, so the parties authenticate each
-other; parties on other hosts need the site's secret_file.
+which the channel reads and registers faster (another process read them at 13.7 against 5.4 GB/s a thread
+here; FATE's own rounds were 1.1-1.7 x faster with them too; a same-host round's gain did not hold up).
+When every endpoint is on this machine and the section names no secret_file (and tls is off), the job
+gets a fresh secret, so the parties authenticate each other; parties on other hosts need the site's
+secret_file.
 
 A party process that ends without reporting to FATE's launcher (its federation failed to start, e.g. a
 port already taken, or it was killed) fails the job about 2.5 s later, naming the party and its exit
