@@ -8,8 +8,7 @@ they do not: compare within a party there). `fate-rdma bench timeline FOLDER` re
 
 The events, by where they happen (`tid`: the channel's transfer id, which both ends see; unique per sending
 process, so a timeline joins a sender's events and a receiver's on (party, tid)):
-  wrapper, sender:   put (FATE's put began: name, tag, bytes), put_sent (the channel took it: tid, dst, name, tag),
-                     put_done (the put has this party's verdict, or failed: tid)
+  wrapper, sender:   put (FATE's put began: name, tag, bytes), put_sent (the channel took it: tid, dst, name, tag)
   channel, sender:   c_send (queued: tid, bytes, peer), c_start (the connection's active transfer: a slot granted),
                      c_first (its first chunk posted: the first byte on the wire), c_done (the receiver's verdict
                      arrived)
@@ -44,14 +43,6 @@ def set_party(who: str) -> None:
     """Name this process in its events (the FATE party it runs, e.g. "guest:9999")."""
     global _who
     _who = who
-
-
-def party(p: Any) -> str:
-    """A FATE party ((role, id) or an object with role and party_id) as "role:id"."""
-    if isinstance(p, (tuple, list)) and len(p) == 2:
-        return f"{p[0]}:{p[1]}"
-    role, pid = getattr(p, "role", None), getattr(p, "party_id", None)
-    return f"{role}:{pid}" if role is not None else str(p)
 
 
 def event(ev: str, **fields: Any) -> None:

@@ -136,11 +136,12 @@ class StagedReceiver:
             copy_into(inc.dest, hdr.offset, data)  # the reassembly copy FedRDMA pays for
             if hdr.seq == 0:
                 inc.meta = meta
-        if placed is not None and placed.complete:  # (traced before the last ACK, which completes the send)
-            trace.event("c_arrived", tid=hdr.transfer_id, peer=conn.peer)  # (its chunks are checked as they arrive: verified too)
+        complete = placed is not None and placed.complete
+        if complete:  # (traced before the last ACK, which completes the send; every chunk was checked on arrival)
+            trace.event("c_arrived", tid=hdr.transfer_id, peer=conn.peer)
             trace.event("c_verified", tid=hdr.transfer_id, peer=conn.peer)
         conn.send_ctrl(ack)
-        if placed is not None and placed.complete:
+        if complete:
             inc = self._incoming.pop(hdr.transfer_id)
             conn.endpoint.budget.release(hdr.total)  # the application's memory from here on
             conn.deliver(hdr.transfer_id, inc.meta or b"{}", inc.view, "fedrdma", None)

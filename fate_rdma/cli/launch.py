@@ -26,7 +26,7 @@ The script runs as with `python SCRIPT`, with FATE_RDMA_CONF set for every party
 start-up hook must be installed: `fate-rdma hook install`, which make does), and, unless --huge-pages off,
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where the kernel (transparent huge pages: madvise or always) and
 glibc (2.35+) allow it: the arrays FATE's secure aggregation allocates with malloc then sit in huge pages,
-which the channel reads and registers faster (another process read them at 13.7 against 5.4 GB/s a thread
+which the channel reads faster (another process read them at 13.7 against 5.4 GB/s a thread
 here; FATE's own rounds were 1.1-1.7 x faster with them too; a same-host round's gain did not hold up).
 When every endpoint is on this machine and the section names no secret_file (and tls is off), the job
 gets a fresh secret, so the parties authenticate each other; parties on other hosts need the site's
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
                    help="auto (default): start the party processes with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where "
                         "the kernel and glibc allow it, so the arrays FATE allocates with malloc sit in huge pages, "
-                        "which the channel reads and registers faster (fate_rdma/hugepages.py); off: leave the "
+                        "which the channel reads faster (fate_rdma/hugepages.py); off: leave the "
                         "environment as it is")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")

@@ -15,6 +15,7 @@ import time
 from typing import Any, Dict, Optional
 
 from .. import trace
+from .config import party_key
 
 log = logging.getLogger("fate_rdma.federation")
 
@@ -123,7 +124,7 @@ def patch_serdes(pickler_cls: Any, unpickler_cls: Any) -> None:
                     rdma = getattr(federation, "fate_rdma", None)
                     if rdma is not None:
                         rdma.stats["unframe_seconds"] += time.perf_counter() - t0
-                    trace.event("got", name=name, tag=tag, src=trace.party(party))
+                    trace.event("got", name=name, tag=tag, src=party_key(party))
             return pull.__func__(cls, buffers, ctx, federation, name, tag, party)
 
         pull_framed._fate_rdma = True  # type: ignore[attr-defined]

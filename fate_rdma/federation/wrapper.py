@@ -130,7 +130,8 @@ class RdmaFederation:
                 data = msg.detach()  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
                 if msg.lent:
                     self.stats["lent_bytes"] += data.nbytes
-                trace.event("stored", tid=msg.transfer_id, peer=msg.peer, name=md.get("name"), tag=md.get("tag"), src=md.get("src"))
+                trace.event("stored", tid=msg.transfer_id, peer=msg.peer, name=md.get("name"), tag=md.get("tag"),
+                            src=md.get("src"))
                 if isinstance(key, tuple):
                     self._store.put(key, (md, data))
                 elif isinstance(key, str):
@@ -205,7 +206,6 @@ class RdmaFederation:
                 except FateRdmaError as exc:
                     err = exc
                 self.stats["send_seconds"] += time.perf_counter() - t1
-                trace.event("put_done", tid=getattr(fut, "transfer_id", None), ok=err is None)
             if err is None and self.announce:
                 if framed or len(v) >= self.threshold:
                     self.stats["rdma_bytes"] += len(v)
