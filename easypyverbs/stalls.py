@@ -16,7 +16,9 @@ here: that shows as a peer making no progress, and the deadlines for that (fate-
 no_progress_timeout_s) must exceed its holds.
 
 `subscribe(fn)`: fn(seconds, ended_at_monotonic) after every hold of at least REPORT_S, from the watchdog
-thread (fn must be quick).
+thread (fn must be quick). `watch_gaps(fn)`: fn(began_at, ended_at) for every gap of at least GAP_S in which
+no thread of this process ran past the watchdog's due wake-up, scheduling noise included (what fate-rdma's
+trace records, to tell how long a transfer's bytes waited on a held process).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ PERIOD_S = 0.1
 GRACE_S = 0.25
 #: holds at least this long are reported to subscribers
 REPORT_S = 1.0
+#: gaps at least this long past the watchdog's due wake-up go to `watch_gaps` listeners
+GAP_S = 0.05
 
 
 class _Watch:
@@ -43,6 +47,8 @@ class _Watch:
         self.held_s = 0.0  # holds so far, beyond PERIOD_S + GRACE_S each
         self._reports: List[Tuple[float, float]] = []  # (seconds, ended at) not yet told to subscribers
         self._subs: Dict[int, Callable[[float, float], None]] = {}
+        self._gaps: List[Tuple[float, float]] = []  # (began, ended) not yet told to gap listeners
+        self._gap_subs: List[Callable[[float, float], None]] = []
         self._ids = 0
 
     def ensure(self) -> None:
@@ -61,6 +67,8 @@ class _Watch:
         return the time. Any thread that runs may beat: it proves the process runs now, so the clock moves
         even if the watchdog is late; a hold is accounted by whichever thread runs first after it."""
         now = time.monotonic()  # (read under the lock: a stale reading could put the clock back)
+        if self._gap_subs and now - self._beat - PERIOD_S >= GAP_S:
+            self._gaps.append((self._beat + PERIOD_S, now))
         late = now - self._beat - PERIOD_S - GRACE_S
         if late > 0:
             self.held_s += late
@@ -77,12 +85,14 @@ class _Watch:
                 self._beat_now()
                 reports, self._reports = self._reports, []
                 subs = list(self._subs.values()) if reports else []
-            for held, ended in reports:
-                for fn in subs:
-                    try:
-                        fn(held, ended)
-                    except Exception:  # a subscriber's bug must not end the watchdog
-                        log.exception("stall subscriber failed")
+                gaps, self._gaps = self._gaps, []
+                gap_subs = list(self._gap_subs) if gaps else []
+            calls = [(fn, r) for r in reports for fn in subs] + [(fn, g) for g in gaps for fn in gap_subs]
+            for fn, args in calls:
+                try:
+                    fn(*args)
+                except Exception:  # a subscriber's bug must not end the watchdog
+                    log.exception("stall subscriber failed")
 
     def clock(self) -> float:
         if self._pid != os.getpid():
@@ -101,12 +111,18 @@ class _Watch:
         with self._lock:
             self._subs.pop(token, None)
 
+    def watch_gaps(self, fn: Callable[[float, float], None]) -> None:
+        self.ensure()
+        with self._lock:
+            self._gap_subs.append(fn)
+
     def after_fork_in_child(self) -> None:
         """Threads do not survive a fork, and the lock may have been taken by one: start over, not watching,
         with no subscribers (the parent's objects are not this process's); the clock keeps its offset."""
         self._lock = threading.Lock()
         self._pid = -1
         self._subs, self._reports = {}, []
+        self._gap_subs, self._gaps = [], []
 
 
 _watch = _Watch()
@@ -127,6 +143,13 @@ def subscribe(fn: Callable[[float, float], None]) -> int:
     """fn(seconds, ended_at) after each hold of at least REPORT_S; held strongly until `unsubscribe(token)`
     (an object that subscribes should pass a function holding only a weak reference to it)."""
     return _watch.subscribe(fn)
+
+
+def watch_gaps(fn: Callable[[float, float], None]) -> None:
+    """fn(began_at, ended_at) (time.monotonic()) for every gap of at least GAP_S past the watchdog's due wake-up
+    in which no thread of this process ran, from the watchdog thread, for the life of the process (not in a
+    child made by fork: register there again). fn must be quick and never raise."""
+    _watch.watch_gaps(fn)
 
 
 def unsubscribe(token: Optional[int]) -> None:

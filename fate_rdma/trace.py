@@ -16,6 +16,9 @@ process, so a timeline joins a sender's events and a receiver's on (party, tid))
                      (the checksum held; traced before the verdict leaves), c_deliver (into the endpoint's inbox)
   wrapper, receiver: stored (the get's store has it: tid, name, tag, src), get (FATE's get began: name, tag, src
                      list), got (FATE's get returns the object, unframed: name, tag, src)
+  any process with an endpoint: hold (start, end: a gap in which none of its threads ran, easypyverbs.stalls:
+                     native code keeping the GIL, as FATE's secure aggregation does, or no core for it; the soft
+                     provider's NIC is a thread of the process, so its bytes wait too, where a real NIC's would not)
 """
 from __future__ import annotations
 
@@ -66,6 +69,20 @@ def event(ev: str, **fields: Any) -> None:
         _dir = None
     except Exception:  # (a field json cannot take, say): this event only
         pass
+
+
+_watching_pid = 0
+
+
+def watch_holds() -> None:
+    """Trace this process's holds (easypyverbs.stalls gaps) from now on, once per process; nothing unless on."""
+    global _watching_pid
+    if _dir is None or _watching_pid == os.getpid():
+        return
+    from easypyverbs import stalls
+
+    _watching_pid = os.getpid()
+    stalls.watch_gaps(lambda start, end: event("hold", start=start, end=end))
 
 
 def _after_fork() -> None:

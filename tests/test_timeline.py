@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
 from fate_rdma import trace
 from fate_rdma.bench import timeline
+from fate_rdma.bench.transfer_peer import hold_gil
 from fate_rdma.channel import Endpoint
 
 from .test_channel import cfg_for
@@ -90,6 +92,33 @@ def test_the_timeline_splits_a_transfer_into_its_steps(tmp_path):
     assert (rec["src"], rec["dst"], rec["bytes"]) == (G, A, 100)
     (row,) = timeline.summarize([rec, dict(rec, bytes=10)], min_bytes=50)
     assert row["transfers"] == 1 and row["wire"] == 0.8
+
+
+def test_the_wire_step_says_how_long_each_end_was_held(tmp_path):
+    """A hold of the receiving process (FATE's summing keeping the GIL) that covers part of a transfer's wire
+    step is counted for the receiver, the sender's own holds for the sender; holds outside the step are not."""
+    sender, receiver = _upload(10.0, G, 7, "r0")  # wire: 10.2 -> 11.0
+    _write(tmp_path, 1, sender + [{"t": 10.3, "ev": "hold", "who": G, "start": 10.0, "end": 10.3}])
+    _write(tmp_path, 2, receiver + [{"t": 10.6, "ev": "hold", "who": A, "start": 10.4, "end": 10.6},
+                                    {"t": 11.1, "ev": "hold", "who": A, "start": 10.9, "end": 11.1},
+                                    {"t": 12.0, "ev": "hold", "who": A, "start": 11.5, "end": 12.0},
+                                    {"t": 12.1, "ev": "hold", "who": A, "start": "x", "end": 12.1}])
+    (rec,) = timeline.transfers(timeline.load(str(tmp_path)))
+    assert (round(rec["wire_held_tx"], 6), round(rec["wire_held_rx"], 6)) == (0.1, 0.3)
+    (row,) = timeline.summarize([rec])
+    assert row["wire_held_rx"] == 0.3
+
+
+def test_a_hold_of_a_process_with_an_endpoint_is_traced(traced):
+    """Native code keeping the GIL (as FATE's secure aggregation does) leaves a `hold` event spanning it."""
+    with Endpoint(cfg_for("fedrdma-e", "soft-tcp")):
+        time.sleep(0.3)  # (the watchdog beats)
+        t0 = time.monotonic()
+        hold_gil(0.5)
+        t1 = time.monotonic()
+        time.sleep(0.3)  # its next beat tells the trace
+    holds = [e for e in timeline.load(str(traced)) if e["ev"] == "hold" and e["end"] >= t1 - 0.05]
+    assert holds and any(h["start"] <= t0 + 0.15 and h["end"] - h["start"] >= 0.35 for h in holds), holds
 
 
 def test_two_senders_with_one_tid_and_a_name_reused_across_rounds_stay_apart(tmp_path):

@@ -11,7 +11,10 @@ process, one clock for the host) and splits every transfer into its steps, in or
                  the bytes (the transfer was the get's critical path); < 0 the bytes waited for the get
   to_got         max(store has it, get began) -> FATE's get returns the object (the hand-off, the unframing)
   verdict        verified -> the sender's channel has the verdict
-and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
+and, beside them, how much of the wire step the sending and the receiving process were held (wire_held_tx,
+wire_held_rx: their `hold` events, gaps in which none of the process's threads ran, as while FATE's secure
+aggregation keeps the GIL; the soft provider's NIC is a thread of the process, so its bytes wait meanwhile,
+where a real NIC's would not), and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
 table. Every figure is a difference of CLOCK_MONOTONIC readings of one host: a job whose parties ran on
 several hosts can only be read within a party. `fate-rdma bench fate --trace` traces its fate-rdma jobs
 and prints this after each; set FATE_RDMA_TRACE in a FATE job's environment to trace any job.
@@ -30,6 +33,7 @@ from .report import emit, human_bytes, median, table
 
 RECEIVER_EVENTS = frozenset({"c_arrived", "c_verified", "c_deliver", "stored"})
 STEPS = ("put_to_wire", "wire", "verify", "to_store", "get_to_store", "to_got", "verdict")
+HELD = ("wire_held_tx", "wire_held_rx")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +69,13 @@ def _last_before(events: List[Dict[str, Any]], t: float) -> Optional[Dict[str, A
 Key = Tuple[str, str, str]  # (party, FATE's name, tag)
 
 
+def held(holds: List[Tuple[float, float]], a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """Seconds of [a, b] covered by `holds` ((start, end), not overlapping: one process's gaps)."""
+    if a is None or b is None:
+        return None
+    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in holds)
+
+
 def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One record per traced transfer that reached the receiver's store: its parties, FATE's name, bytes,
     and the STEPS (seconds; None where an event is missing). A transfer is joined on (party, tid) at its sender
@@ -77,9 +88,12 @@ def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     gets: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = defaultdict(list)
     gots: Dict[Tuple[str, str, str, str], List[Dict[str, Any]]] = defaultdict(list)
     stored = []
+    holds: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
     for e in events:
         ev, who = e["ev"], str(e.get("who", ""))
-        if e.get("tid") is not None:  # a receiver's events name the connection's peer, a sender's need not
+        if ev == "hold" and isinstance(e.get("start"), (int, float)) and isinstance(e.get("end"), (int, float)):
+            holds[who].append((float(e["start"]), float(e["end"])))
+        elif e.get("tid") is not None:  # a receiver's events name the connection's peer, a sender's need not
             by[(who, e.get("peer") if ev in RECEIVER_EVENTS else None, e["tid"])].setdefault(ev, e)
             if ev == "stored":
                 stored.append(e)
@@ -111,7 +125,9 @@ def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                     "to_store": span(at(rcv, "c_verified"), st["t"]),
                     "get_to_store": span(get["t"] if get else None, st["t"]),
                     "to_got": span(None if get is None else max(get["t"], st["t"]), got["t"] if got else None),
-                    "verdict": span(at(rcv, "c_verified"), at(snd, "c_done"))})
+                    "verdict": span(at(rcv, "c_verified"), at(snd, "c_done")),
+                    "wire_held_tx": held(holds.get(src, []), at(snd, "c_first"), at(rcv, "c_arrived")),
+                    "wire_held_rx": held(holds.get(dst, []), at(snd, "c_first"), at(rcv, "c_arrived"))})
     return out
 
 
@@ -126,7 +142,7 @@ def summarize(recs: List[Dict[str, Any]], min_bytes: int = 0) -> List[Dict[str, 
         sizes = [r["bytes"] for r in rs if r["bytes"] is not None]
         row: Dict[str, Any] = {"bench": "timeline", "src": src, "dst": dst, "name": name, "transfers": len(rs),
                                "bytes": int(median(sizes)) if sizes else None}
-        for k in STEPS:
+        for k in STEPS + HELD:
             xs = [r[k] for r in rs if r[k] is not None]
             row[k] = round(median(xs), 4) if xs else None
         rows.append(row)
@@ -142,10 +158,11 @@ def print_report(folder: str, min_bytes: int = 0, title: str = "") -> List[Dict[
     for r in rows:
         emit(r)
     print(f"timeline{title}: seconds per transfer, medians (a step missing: '-'; get_to_store > 0: the get waited "
-          f"for the bytes, < 0: the bytes waited for the get)")
+          f"for the bytes, < 0: the bytes waited for the get; wire_held_tx/_rx: of the wire step, the sending/"
+          f"receiving process held, its threads not running)")
     shown = [dict(r, size="-" if r["bytes"] is None else human_bytes(r["bytes"]),
-                  **{k: "-" if r[k] is None else f"{r[k]:.4f}" for k in STEPS}) for r in rows]
-    table(shown, ["src", "dst", "name", "transfers", "size", *STEPS])
+                  **{k: "-" if r[k] is None else f"{r[k]:.4f}" for k in STEPS + HELD}) for r in rows]
+    table(shown, ["src", "dst", "name", "transfers", "size", *STEPS, *HELD])
     return rows
 
 

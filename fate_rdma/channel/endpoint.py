@@ -129,6 +129,7 @@ class Endpoint:
         # holds of this process (easypyverbs.stalls) since the endpoint opened: count, seconds, the longest
         self.holds, self.held_s, self.longest_hold_s = 0, 0.0, 0.0
         self._holds_token = stalls.subscribe(_hold_reporter(weakref.ref(self)))
+        trace.watch_holds()
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
         log.info("fate-rdma endpoint %s on %s (%s), peers %s%s", self.name, self.address, self.ctx.label,
