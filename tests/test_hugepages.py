@@ -94,3 +94,31 @@ def test_launch_starts_the_parties_with_huge_pages_for_malloc(tmp_path):
     assert on["malloc_kib"] > 0, on
     if H.thp_mode() == "madvise":  # (under "always" the kernel gives malloc's memory huge pages unasked)
         assert off["malloc_kib"] == 0, off
+
+
+PROBE = '''
+import ctypes, json, os, sys
+if sys.argv[1] == "disable":  # PR_SET_THP_DISABLE: as a container or cgroup without THP would leave a process
+    ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)
+    os.execv(sys.executable, [sys.executable, sys.argv[0], "probe"])
+from fate_rdma import hugepages
+print(json.dumps([hugepages.measured(), *hugepages.check()]))
+'''
+
+
+@pytest.mark.parametrize("thp", ["probe", "disable"])
+def test_a_party_that_asks_for_huge_pages_and_gets_none_is_told(tmp_path, thp):
+    """No silent off: with the tunable set, a process whose malloc still gets no huge pages (THP disabled for it)
+    says so in its party log as a warning; one that gets them says how much of a fresh malloc it got."""
+    if not H.possible()[0]:
+        pytest.skip(H.possible()[1])
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = dict(os.environ, GLIBC_TUNABLES=H.SETTING, PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, str(script), thp], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    share, ok, said = json.loads(out.stdout)
+    if thp == "disable":
+        assert share == 0.0 and not ok and "does not get them" in said and "4 KiB pages" in said, said
+    else:
+        assert share >= 0.5 and ok and "in huge pages" in said, said

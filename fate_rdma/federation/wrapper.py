@@ -89,7 +89,8 @@ class RdmaFederation:
         self._shared = SharedCopies(self._give_room)  # copies a put of the same arrays again may share
         self._deferred: Optional[BaseException] = None
         self._stop = False
-        log.info("fate-rdma: %s: %s", party_key(self.local), hugepages.describe())
+        huge_ok, huge_said = hugepages.check()
+        log.log(logging.INFO if huge_ok else logging.WARNING, "fate-rdma: %s: %s", party_key(self.local), huge_said)
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
         fed._push_bytes = self._push_bytes
