@@ -16,9 +16,11 @@ here: that shows as a peer making no progress, and the deadlines for that (fate-
 no_progress_timeout_s) must exceed its holds.
 
 `subscribe(fn)`: fn(seconds, ended_at_monotonic) after every hold of at least REPORT_S, from the watchdog
-thread (fn must be quick). `watch_gaps(fn)`: fn(began_at, ended_at) for every gap of at least GAP_S in which
-no thread of this process ran past the watchdog's due wake-up, scheduling noise included (what fate-rdma's
-trace records, to tell how long a transfer's bytes waited on a held process).
+thread (fn must be quick). `watch_gaps(fn)`: fn(began_at, ended_at) for every gap of at least GAP_S past the
+watchdog's due wake-up in which no thread of this process ran, or ran unseen by the watchdog: native code
+keeping the GIL, or the process not scheduled (what fate-rdma's trace records, to tell how long a transfer's
+bytes waited on a held process). A lower bound: a hold shorter than GAP_S plus PERIOD_S can pass unseen, and
+one is dated from the watchdog's due wake-up, up to PERIOD_S after it began.
 """
 from __future__ import annotations
 
@@ -93,6 +95,9 @@ class _Watch:
                     fn(*args)
                 except Exception:  # a subscriber's bug must not end the watchdog
                     log.exception("stall subscriber failed")
+            if calls:  # the next wake-up is due a period from now, not from before the calls (their time is
+                with self._lock:  # this thread's own work, not a hold, unless it ran into one)
+                    self._beat_now()
 
     def clock(self) -> float:
         if self._pid != os.getpid():

@@ -16,9 +16,10 @@ process, so a timeline joins a sender's events and a receiver's on (party, tid))
                      (the checksum held; traced before the verdict leaves), c_deliver (into the endpoint's inbox)
   wrapper, receiver: stored (the get's store has it: tid, name, tag, src), get (FATE's get began: name, tag, src
                      list), got (FATE's get returns the object, unframed: name, tag, src)
-  any process with an endpoint: hold (start, end: a gap in which none of its threads ran, easypyverbs.stalls:
-                     native code keeping the GIL, as FATE's secure aggregation does, or no core for it; the soft
-                     provider's NIC is a thread of the process, so its bytes wait too, where a real NIC's would not)
+  any process with an endpoint: hold (start, end: a gap of 50 ms or more in which none of its threads ran,
+                     easypyverbs.stalls: native code keeping the GIL, as FATE's secure aggregation does, or the
+                     process not scheduled; the soft provider's NIC is a thread of the process, so its bytes wait
+                     too, where a real NIC's would not; shorter holds pass unseen: a lower bound)
 """
 from __future__ import annotations
 
@@ -74,21 +75,27 @@ def event(ev: str, **fields: Any) -> None:
 _watching_pid = 0
 
 
+_watch_lock = threading.Lock()
+
+
 def watch_holds() -> None:
     """Trace this process's holds (easypyverbs.stalls gaps) from now on, once per process; nothing unless on."""
     global _watching_pid
-    if _dir is None or _watching_pid == os.getpid():
+    if _dir is None:
         return
     from easypyverbs import stalls
 
-    _watching_pid = os.getpid()
-    stalls.watch_gaps(lambda start, end: event("hold", start=start, end=end))
+    with _watch_lock:
+        if _watching_pid == os.getpid():
+            return
+        _watching_pid = os.getpid()
+        stalls.watch_gaps(lambda start, end: event("hold", start=start, end=end))
 
 
 def _after_fork() -> None:
-    """A child forked while another thread held the lock gets its own (and its own file)."""
-    global _lock, _file
-    _lock, _file = threading.Lock(), None
+    """A child forked while another thread held a lock gets its own (and its own file)."""
+    global _lock, _file, _watch_lock
+    _lock, _file, _watch_lock = threading.Lock(), None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -102,11 +102,15 @@ def test_the_wire_step_says_how_long_each_end_was_held(tmp_path):
     _write(tmp_path, 2, receiver + [{"t": 10.6, "ev": "hold", "who": A, "start": 10.4, "end": 10.6},
                                     {"t": 11.1, "ev": "hold", "who": A, "start": 10.9, "end": 11.1},
                                     {"t": 12.0, "ev": "hold", "who": A, "start": 11.5, "end": 12.0},
-                                    {"t": 12.1, "ev": "hold", "who": A, "start": "x", "end": 12.1}])
+                                    {"t": 12.1, "ev": "hold", "who": A, "start": "x", "end": 12.1},
+                                    # the same hold written twice, and one overlapping it: counted once
+                                    {"t": 10.6, "ev": "hold", "who": A, "start": 10.4, "end": 10.6},
+                                    {"t": 10.7, "ev": "hold", "who": A, "start": 10.5, "end": 10.7}])
     (rec,) = timeline.transfers(timeline.load(str(tmp_path)))
-    assert (round(rec["wire_held_tx"], 6), round(rec["wire_held_rx"], 6)) == (0.1, 0.3)
+    assert (round(rec["wire_held_tx"], 6), round(rec["wire_held_rx"], 6)) == (0.1, 0.4)
+    assert timeline.held([(0.0, 5.0), (1.0, 2.0)], 1.5, 3.0) == 1.5  # never more than the step itself
     (row,) = timeline.summarize([rec])
-    assert row["wire_held_rx"] == 0.3
+    assert row["wire_held_rx"] == 0.4
 
 
 def test_a_hold_of_a_process_with_an_endpoint_is_traced(traced):

@@ -11,10 +11,10 @@ process, one clock for the host) and splits every transfer into its steps, in or
                  the bytes (the transfer was the get's critical path); < 0 the bytes waited for the get
   to_got         max(store has it, get began) -> FATE's get returns the object (the hand-off, the unframing)
   verdict        verified -> the sender's channel has the verdict
-and, beside them, how much of the wire step the sending and the receiving process were held (wire_held_tx,
-wire_held_rx: their `hold` events, gaps in which none of the process's threads ran, as while FATE's secure
-aggregation keeps the GIL; the soft provider's NIC is a thread of the process, so its bytes wait meanwhile,
-where a real NIC's would not), and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
+and, beside them, how much of the wire step the sending and the receiving process were at least held
+(wire_held_tx, wire_held_rx: their `hold` events, gaps of 50 ms or more in which none of the process's threads
+ran, as while FATE's secure aggregation keeps the GIL, or the process was not scheduled; the soft provider's
+NIC is a thread of the process, so its bytes wait meanwhile, where a real NIC's would not), and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
 table. Every figure is a difference of CLOCK_MONOTONIC readings of one host: a job whose parties ran on
 several hosts can only be read within a party. `fate-rdma bench fate --trace` traces its fate-rdma jobs
 and prints this after each; set FATE_RDMA_TRACE in a FATE job's environment to trace any job.
@@ -70,10 +70,17 @@ Key = Tuple[str, str, str]  # (party, FATE's name, tag)
 
 
 def held(holds: List[Tuple[float, float]], a: Optional[float], b: Optional[float]) -> Optional[float]:
-    """Seconds of [a, b] covered by `holds` ((start, end), not overlapping: one process's gaps)."""
+    """Seconds of [a, b] covered by `holds` ((start, end); overlapping ones, as two processes of one party or a hold
+    written twice give, counted once)."""
     if a is None or b is None:
         return None
-    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in holds)
+    total, reach = 0.0, a
+    for s, e in sorted(holds):
+        s, e = max(s, reach), min(e, b)
+        if e > s:
+            total += e - s
+            reach = e
+    return total
 
 
 def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
