@@ -153,7 +153,8 @@ def subscribe(fn: Callable[[float, float], None]) -> int:
 def watch_gaps(fn: Callable[[float, float], None]) -> None:
     """fn(began_at, ended_at) (time.monotonic()) for every gap of at least GAP_S past the watchdog's due wake-up
     in which no thread of this process ran, from the watchdog thread, for the life of the process (not in a
-    child made by fork: register there again). fn must be quick and never raise."""
+    child made by fork: register there again). fn must be quick (well under PERIOD_S + GAP_S: a call that takes
+    longer reads as a gap itself, which calls it again) and never raise."""
     _watch.watch_gaps(fn)
 
 

@@ -12,7 +12,7 @@ environment the party processes are started with: `fate-rdma launch` puts it the
 leaves the environment alone); under fate-flow, export it where the fate-flow server starts (its task
 processes inherit its environment). Nothing else changes: no memory is reserved, and where the kernel has
 no huge page to give, malloc gets 4 KiB pages as before. `check()` measures what a process really gets (a
-fresh malloc's share in huge pages), so a party that asked and got none says so in a warning.
+fresh malloc's page comes as a huge page), so a party that asked and gets none says so in a warning.
 """
 from __future__ import annotations
 
@@ -92,9 +92,9 @@ def without_huge_pages(env: Mapping[str, str]) -> Dict[str, str]:
     return out
 
 
-#: the probe's malloc: above glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so it is always a fresh
-#: mapping of its own (never heap memory touched before) and freeing it moves no threshold; only one 2 MiB page
-#: of it is touched
+#: the probe's malloc: above glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so freeing it moves no
+#: threshold and it is a fresh mapping unless the heap already has that much free (then its pages may be in
+#: memory already, and the probe cannot tell: mincore); only one 2 MiB page of it is touched
 PROBE_BYTES = 40 << 20
 HUGE_PAGE = 2 << 20
 
@@ -116,8 +116,9 @@ def _huge_kib_over(lo: int, hi: int) -> int:
 def measured() -> Optional[float]:
     """Does malloc's memory come in huge pages in this process: 1.0 if one 2 MiB-aligned page of a fresh
     PROBE_BYTES malloc, once touched, is a huge page, 0.0 if not (the huge-page kB of the mappings around it
-    before and after the touch, /proc/self/smaps), None where that cannot be read. With the tunable (and THP
-    for this process) 1.0, without it 0.0 under THP `madvise`."""
+    before and after the touch, /proc/self/smaps), None where that cannot be told (the page was in memory
+    already, or /proc cannot be read). With the tunable (and THP for this process) 1.0, without it 0.0 under
+    THP `madvise`; 0.0 also where the kernel had no free huge page at that moment."""
     import ctypes
 
     try:
@@ -131,6 +132,9 @@ def measured() -> Optional[float]:
         return None
     try:
         page = -(-buf // HUGE_PAGE) * HUGE_PAGE  # the first whole huge page inside the allocation
+        vec = (ctypes.c_ubyte * (HUGE_PAGE // 4096))()
+        if libc.mincore(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), vec) != 0 or any(b & 1 for b in vec):
+            return None  # (heap memory touched before, or mincore refused: nothing to learn from a touch)
         before = _huge_kib_over(page, page + HUGE_PAGE)
         ctypes.memset(page, 1, 1)
         got = _huge_kib_over(page, page + HUGE_PAGE) - before
@@ -146,24 +150,27 @@ def _share(got: Optional[float]) -> str:
 
 
 def check() -> Tuple[bool, str]:
-    """For a party's log: (whether all is as asked, one line). Not as asked: the tunable is set but a fresh malloc
-    got (almost) no huge pages, so FATE's arrays stay in 4 KiB pages (THP off for this process's cgroup, say)."""
+    """For a party's log: (whether all is as asked, one line). Not as asked: the tunable is set but two fresh
+    mallocs' pages did not come as huge pages (THP off for this process's cgroup, say), so FATE's arrays stay in
+    4 KiB pages."""
     if not requested():
         return True, describe()
     got = measured()
     if got == 0.0:
-        return False, (f"malloc huge pages were asked for (GLIBC_TUNABLES) but a fresh malloc in this process does "
-                       f"not get them (measured; {possible()[1]}): FATE's arrays stay in 4 KiB pages, which the "
-                       f"soft provider's same-host path read 1.2-2.5 x slower in scratch runs")
-    return True, describe(got)
+        got = measured()  # (once more: the kernel may have had no free huge page at that moment)
+    if got == 0.0:
+        return False, (f"malloc huge pages were asked for (GLIBC_TUNABLES) but a fresh malloc's page did not come "
+                       f"as a huge page, twice (measured; {possible()[1]}): FATE's arrays likely stay in 4 KiB "
+                       f"pages, which the soft provider's same-host path read 1.2-2.5 x slower in scratch runs")
+    return True, describe(got, measure=False)
 
 
-def describe(got: Optional[float] = None) -> str:
-    """One line for `doctor`: whether this process has them (measured: `got`, else measured now where the
-    tunable is set), and how FATE's processes get them."""
+def describe(got: Optional[float] = None, measure: bool = True) -> str:
+    """One line for `doctor`: whether this process has them (`got`, else measured now where the tunable is set
+    and `measure`), and how FATE's processes get them."""
     ok, why = possible()
     if requested():
-        got = measured() if got is None else got
+        got = measured() if got is None and measure else got
         return f"malloc huge pages: asked for in this process (GLIBC_TUNABLES; {why}){_share(got)}"
     if not ok:
         return f"malloc huge pages: not available ({why})"
