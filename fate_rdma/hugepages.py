@@ -162,15 +162,14 @@ def check() -> Tuple[bool, str]:
         return False, (f"malloc huge pages were asked for (GLIBC_TUNABLES) but a fresh malloc's page did not come "
                        f"as a huge page, twice (measured; {possible()[1]}): FATE's arrays likely stay in 4 KiB "
                        f"pages, which the soft provider's same-host path read 1.2-2.5 x slower in scratch runs")
-    return True, describe(got, measure=False)
+    return True, describe(got)
 
 
-def describe(got: Optional[float] = None, measure: bool = True) -> str:
-    """One line for `doctor`: whether this process has them (`got`, else measured now where the tunable is set
-    and `measure`), and how FATE's processes get them."""
+def describe(got: Optional[float] = None) -> str:
+    """One line: whether this process has them (`got`: what `measured` said, where it was asked), and how FATE's
+    processes get them. `check` measures and says this, or the warning."""
     ok, why = possible()
     if requested():
-        got = measured() if got is None and measure else got
         return f"malloc huge pages: asked for in this process (GLIBC_TUNABLES; {why}){_share(got)}"
     if not ok:
         return f"malloc huge pages: not available ({why})"

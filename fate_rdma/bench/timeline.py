@@ -14,8 +14,8 @@ process, one clock for the host) and splits every transfer into its steps, in or
 and, beside them, how much of the wire step the sending and the receiving process were at least held
 (wire_held_tx, wire_held_rx: their `hold` events, gaps of 50 ms or more in which none of the process's threads
 ran, as while FATE's secure aggregation keeps the GIL, or the process was not scheduled; the soft provider's
-NIC is a thread of the process, so its bytes wait meanwhile, where a real NIC's would not), and prints the medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a
-table. Every figure is a difference of CLOCK_MONOTONIC readings of one host: a job whose parties ran on
+NIC is a thread of the process, so its bytes wait meanwhile, where a real NIC's would not), and prints the
+medians per kind of transfer (sender, receiver, FATE's object name) as JSON lines and a table. Every figure is a difference of CLOCK_MONOTONIC readings of one host: a job whose parties ran on
 several hosts can only be read within a party. `fate-rdma bench fate --trace` traces its fate-rdma jobs
 and prints this after each; set FATE_RDMA_TRACE in a FATE job's environment to trace any job.
 """
@@ -165,8 +165,8 @@ def print_report(folder: str, min_bytes: int = 0, title: str = "") -> List[Dict[
     for r in rows:
         emit(r)
     print(f"timeline{title}: seconds per transfer, medians (a step missing: '-'; get_to_store > 0: the get waited "
-          f"for the bytes, < 0: the bytes waited for the get; wire_held_tx/_rx: of the wire step, the sending/"
-          f"receiving process held, its threads not running)")
+          f"for the bytes, < 0: the bytes waited for the get; wire_held_tx/_rx: of the wire step, at least this long "
+          f"the sending/receiving process held, its threads not running)")
     shown = [dict(r, size="-" if r["bytes"] is None else human_bytes(r["bytes"]),
                   **{k: "-" if r[k] is None else f"{r[k]:.4f}" for k in STEPS + HELD}) for r in rows]
     table(shown, ["src", "dst", "name", "transfers", "size", *STEPS, *HELD])
