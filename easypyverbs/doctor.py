@@ -89,6 +89,9 @@ def render(rep: Dict[str, Any]) -> str:
     if sh["on"]:
         lines.append(f"              shared memory (memfd senders' buffers, read through a mapping at memcpy speed): "
                      f"{'on' if sh.get('shared_memory') else 'off'} ({sh.get('shared_memory_why', '')})")
+        lines.append(f"              push (the sender copies WRITEs of {sh.get('push_min_bytes', 0) >> 20} MiB and more into a "
+                     f"receiver's shared-memory slots itself, another process of this host): "
+                     f"{'on' if sh.get('push') else 'off'}; EASYPYVERBS_SOFT_PUSH=off turns it off")
     lines.append("              WRITEs into tracked MRs digested as they land (MR.track_writes: fate-rdma's "
                  "receive slots check crc32c/xxh3 with no second pass over all but the short last block)")
     lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
@@ -102,8 +105,11 @@ def _same_host() -> Dict[str, Any]:
     if not samehost.enabled_by_env():
         return {"on": False, "why": why}
     shm_ok, shm_why = shm.self_test() if ok else (False, "the same-host path is off")
+    from .providers.soft.requester import PUSH_MIN_BYTES
+
     return {"on": ok, "why": why, "copy_threads": samehost.COPY_THREADS, "shared_memory": shm_ok,
-            "shared_memory_why": shm_why}
+            "shared_memory_why": shm_why, "push": bool(ok and shm_ok and samehost.push_enabled()),
+            "push_min_bytes": PUSH_MIN_BYTES}
 
 
 def main(argv: List[str]) -> int:

@@ -93,7 +93,7 @@ class Connection:
                                   f"endpoint's memory budget ({self.endpoint.budget.limit_bytes} bytes, "
                                   f"{self.endpoint.budget.held_bytes} held)")
         self._reserved = offered
-        self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes, track)
+        self.mem = mem = LocalMemory(pd, nqps, cfg.max_window, pool, staging, cfg.slot_initial_bytes, track, agreed.near)
         cap = data_qp_cap(self.endpoint.send_sge_limit(self.cq))  # (posting.py: a WRITE gathers up to 30 arrays)
         for i in range(nqps):
             rc = ev.establish(ctx, boot, mrs=mem.remote_mrs if i == 0 else None, pd=pd, cap=cap, timeout_s=t,

@@ -31,14 +31,22 @@ RECV_DEPTH = 256
 CTRL_SENDS = 256
 
 
+def _same_host_soft(ctx: Any) -> bool:
+    """Does `ctx` (a device context) move payloads to peers of this host by the soft provider's same-host
+    path (Endpoint.same_host_capable)?"""
+    return bool(getattr(ctx, "same_host", False)) and getattr(ctx, "link", None) is None
+
+
 class LocalMemory:
     """Registers what this side of a connection needs, and hands out views and SGEs into it."""
 
     def __init__(self, pd: ev.PD, nqps: int, max_window: int, pool: Optional[PoolOffer],
                  staging: Optional[StagingOffer], slot_initial_bytes: Optional[int] = None,
-                 track: Optional[Callable[[int], Any]] = None) -> None:
+                 track: Optional[Callable[[int], Any]] = None, near: bool = False) -> None:
         """`pool`: the slots at their largest; each starts with room for `slot_initial_bytes` (None: the
-        largest); `track`: digest the peer's WRITEs into them as they land (SlotMemory)."""
+        largest); `track`: digest the peer's WRITEs into them as they land (SlotMemory); `near`: the peer is
+        a process of this host, so where the soft provider's same-host path is on, the slots are shared
+        memory that the peer's soft NIC copies its large WRITEs into itself (SlotMemory, its push)."""
         self.mrs: List[ev.MR] = []
         self.remote_mrs: Dict[str, ev.MR] = {}
         self.pool, self.staging = pool, staging
@@ -48,7 +56,7 @@ class LocalMemory:
             if pool is not None:  # one MR per slot: a grant the peer loses while the slot is held
                 initial = pool.slot_payload_bytes if slot_initial_bytes is None else slot_initial_bytes
                 self.slots = SlotMemory(pd, pool, initial, pin=getattr(pd.ctx, "provider", "") != "soft",
-                                        track=track)
+                                        track=track, shared=near and _same_host_soft(pd.ctx))
                 for i, mr in enumerate(self.slots.mrs):
                     self.remote_mrs[f"slot{i}"] = mr  # type: ignore[assignment]
             if staging is not None:

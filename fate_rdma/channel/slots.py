@@ -34,6 +34,18 @@ WRITE_ONLY = ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
+#: frees a shared mapping's pages in its file (MADV_DONTNEED would only drop this mapping of them)
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
+
+
+def _shared(n: int) -> Optional[np.ndarray]:
+    """`n` bytes of sparse shared memory for a slot, or None where a memfd cannot be made."""
+    try:
+        return ev.buffers.shared_array(n)
+    except OSError:
+        return None
+
+
 def _pages(n: int) -> int:
     """`n` rounded up to whole pages."""
     return -(-n // PAGE) * PAGE
@@ -66,24 +78,29 @@ class SlotMemory:
     so that other connections' threads keep running while a large slot grows."""
 
     def __init__(self, pd: ev.PD, offer: PoolOffer, initial_payload_bytes: int, pin: bool,
-                 track: Optional[Callable[[int], Any]] = None) -> None:
+                 track: Optional[Callable[[int], Any]] = None, shared: bool = False) -> None:
         """`track`: a block hasher (checksum.block_hasher): each slot's MR digests the peer's WRITEs per
-        checksum block as they land, where the provider can (`landed`)."""
+        checksum block as they land, where the provider can (`landed`). `shared`: each slot a memfd
+        (easypyverbs.buffers.shared_array, sparse: pages only where written), so that a peer's soft NIC
+        on this host may copy its large WRITEs in itself (the soft provider's push); private memory where
+        memfds cannot be made."""
         self._pd, self.offer, self.pin, self.track = pd, offer, pin, track
         #: each slot's digests of the blocks its current grant's WRITEs placed (MR.track_writes), or None
         self.landed: List[Optional[Any]] = []
         self._untracked: Set[int] = set()
         self.initial_payload_bytes = min(initial_payload_bytes, offer.slot_payload_bytes)
-        self._maps: List[mmap.mmap] = []
+        self._maps: List[Optional[mmap.mmap]] = []  # (None: a shared slot, unmapped with its last view)
         self._arrs: List[np.ndarray] = []
         self.capacity: List[int] = []
         self.mrs: List[Optional[ev.MR]] = []
         try:
             for _ in range(offer.slots):
-                mm = mmap.mmap(-1, _pages(offer.slot_bytes), flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                arr = _shared(_pages(offer.slot_bytes)) if shared else None
+                mm = None if arr is not None else mmap.mmap(-1, _pages(offer.slot_bytes),
+                                                            flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
+                                                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 self._maps.append(mm)
-                self._arrs.append(np.frombuffer(mm, dtype=np.uint8))
+                self._arrs.append(arr if arr is not None else np.frombuffer(mm, dtype=np.uint8))
                 self.capacity.append(self.initial_payload_bytes)
                 self.mrs.append(None)
                 self.landed.append(None)
@@ -161,10 +178,16 @@ class SlotMemory:
         return mr.rkey
 
     def _discard(self, slot: int, lo: int, hi: int) -> None:
-        """Give the pages of [lo, hi) back to the system (whole pages only)."""
-        start, end = _pages(lo), min(_pages(hi), len(self._maps[slot]))
-        if end > start:
-            self._maps[slot].madvise(mmap.MADV_DONTNEED, start, end - start)
+        """Give the pages of [lo, hi) back to the system (whole pages only; a shared slot's from its file)."""
+        mm = self._maps[slot]
+        start, end = _pages(lo), min(_pages(hi), self._arrs[slot].nbytes)
+        if end <= start:
+            return
+        if mm is not None:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        elif _libc().madvise(ctypes.c_void_p(self._arrs[slot].ctypes.data + start), ctypes.c_size_t(end - start),
+                             MADV_REMOVE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_REMOVE) of a shared receive slot")
 
     def close(self) -> None:
         for i in range(len(self.mrs)):
@@ -174,6 +197,8 @@ class SlotMemory:
         self._arrs, self._maps = [], []
         del arrs
         for mm in maps:
+            if mm is None:
+                continue  # a shared slot: unmapped when its last view goes (shared_array)
             try:
                 mm.close()  # now, unless a message the application still holds views the slot
             except BufferError:

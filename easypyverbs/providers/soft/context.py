@@ -177,12 +177,15 @@ class SoftContext(Context):
                 status = wire.HELLO_BAD_TOKEN
             pull_pid = 0
             if (status == wire.HELLO_OK and flags & wire.FLAG_SAME_HOST and self.same_host and fwd_delay_us == 0
-                    and samehost.usable(pid, probe_addr, probe) and samehost.same_network_namespace(pid)):
+                    and samehost.usable(pid, probe_addr, probe) and samehost.same_network_namespace(pid)
+                    and samehost.peer_owns(pid, sock)):  # (the probe alone: a peer could plant it in a third process)
                 pull_pid = pid  # the requester's memory is readable from here: take its bytes directly
+            # (not within one process: its requester would decline a push into its own memory)
+            push = bool(pull_pid and pull_pid != os.getpid() and flags & wire.FLAG_PUSH and samehost.push_enabled())
             if status == wire.HELLO_OK and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6,  # type: ignore[union-attr]
-                                                                   pull_pid):
+                                                                   pull_pid, push):
                 status = wire.HELLO_BUSY
-            reply_flags = wire.FLAG_SAME_HOST if pull_pid and status == wire.HELLO_OK else 0
+            reply_flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if push else 0)) if pull_pid and status == wire.HELLO_OK else 0
             sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status, reply_flags))
             if status != wire.HELLO_OK:
                 sock.close()

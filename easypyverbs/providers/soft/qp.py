@@ -19,7 +19,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Deque, List, Optional
+from typing import Any, Deque, List, Optional, Set, Tuple
 
 from ... import stalls
 from ...api import CQ, OPCODE_OF, PD, QP, SGE
@@ -100,6 +100,13 @@ class SoftQP(Requester, Responder, QP):
         self._pull_pid = 0  # responder: the requester's pid when we read its payloads (same-host path)
         self._regions: Optional[shm.PeerRegions] = None  # responder: the requester's shared regions mapped here
         self._probe: Optional[samehost.Probe] = None
+        self._push = False  # requester: a large WRITE into the responder's shared memory may be copied by us
+        self._push_regions: Optional[shm.PeerRegions] = None  # requester: the responder's regions we write into
+        self._push_psn: Optional[int] = None  # requester: the WRITE whose PUSH_AT the send thread waits for
+        self._push_at: Optional[Tuple[int, ...]] = None  # requester: that PUSH_AT's body, once it came
+        self._push_ok = False  # responder: the requester may copy large WRITEs into our shared memory
+        self._no_push_rkeys: Set[int] = set()  # requester: rkeys the responder answered "no push here" for
+        self.pushes = 0  # responder: WRITEs the requester copied in itself (tests, doctor)
 
     # -- connection -----------------------------------------------------------------------------
     def _info(self) -> QPInfo:
@@ -139,7 +146,8 @@ class SoftQP(Requester, Responder, QP):
             token = bytes.fromhex(remote.token).ljust(wire.TOKEN_BYTES, b"\0")[:wire.TOKEN_BYTES]
             offer = self.ctx.same_host and self.ctx.link is None  # type: ignore[attr-defined]
             self._probe = samehost.Probe() if offer else None
-            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, wire.FLAG_SAME_HOST if offer else 0,
+            flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if samehost.push_enabled() else 0)) if offer else 0
+            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, flags,
                                          self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
                                          os.getpid(), self._probe.addr if self._probe else 0,
                                          self._probe.value if self._probe else bytes(16)))
@@ -156,6 +164,7 @@ class SoftQP(Requester, Responder, QP):
             raise EasyVerbsError(f"soft QP {self.qpn}: peer {remote.gid} refused QP {remote.qpn}: {why}")
         wire.set_kernel_timeouts(sock, self.ctx.retry_timeout_s)  # type: ignore[attr-defined]
         self._pull = bool(flags & wire.FLAG_SAME_HOST)
+        self._push = self._pull and bool(flags & wire.FLAG_PUSH) and self._probe is not None
         self._probe = None
         with self._cv:
             self._req_sock = sock
@@ -176,12 +185,14 @@ class SoftQP(Requester, Responder, QP):
         return "tcp+tls" if tls else "tcp"
 
     def attach_responder(self, sock: Any, src_qpn: int, psn: int, fwd_delay_s: float,
-                         pull_pid: int = 0) -> bool:
-        """Called by the NIC when the peer's requester dials this QP (`pull_pid`: same-host path)."""
+                         pull_pid: int = 0, push: bool = False) -> bool:
+        """Called by the NIC when the peer's requester dials this QP (`pull_pid`: same-host path; `push`: it
+        may copy large WRITEs into our shared memory itself)."""
         with self._cv:
             if self._closing or self._resp_sock is not None or self._st == QPState.ERR:
                 return False
             self._pull_pid = pull_pid
+            self._push_ok = bool(pull_pid and push)
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._resp_sock = sock
@@ -264,6 +275,8 @@ class SoftQP(Requester, Responder, QP):
         for s in (self._req_sock, self._resp_sock):
             if s is not None:
                 s.close()
+        if self._push_regions is not None and not any(t.is_alive() and t.name.endswith("-send") for t in self._threads):
+            self._push_regions.close()  # (else left to the process: the send thread may still copy into them)
         with self._cv:
             self._st = QPState.ERR
             self._tail = None

@@ -8,17 +8,22 @@ as the responder half (responder.py) does.
 """
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from ...api import OPCODE_OF, SGE
+from ...buffers import address_of
 from ...enums import QPState, WCStatus
 from ...errors import EasyVerbsError, UsageError
 from ...types import WC
-from . import shm, wire
+from . import samehost, shm, wire
 from .responder import PSN_MASK, _OPS
+
+log = logging.getLogger("easypyverbs.soft")
 
 #: most WRs the sender puts in one vectored write (each is a header and its payload's iovecs; sendmsg
 #: takes 512 iovecs at a time): enough to empty a window of small WRITEs in one system call
@@ -38,6 +43,14 @@ DOORBELL_INFLIGHT = 3
 #: most WRs of one batch (QP.batch) the posting thread writes itself, each at most INLINE_SEND_BYTES: a
 #: small message's chunks and header in one write instead of one each
 DOORBELL_BATCH_WRS = 4
+#: smallest WRITE the requester offers to copy into the responder's shared memory itself (push, wire.py): a
+#: push costs a round trip before its copy, which a smaller payload's copy would not repay
+PUSH_MIN_BYTES = 1 << 20
+#: a push is copied and announced (PLACED) this much at a time: the responder digests each piece while the
+#: next is copied
+PUSH_PIECE_BYTES = 2 << 20
+#: rkeys remembered as "no push here" (forgotten all at once past this: they are offered once more)
+NO_PUSH_RKEYS = 4096
 
 
 class _WR:
@@ -162,7 +175,7 @@ class Requester:
                 return bufs, f"wr {wr.wr_id}: {exc}", free_at
             opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0)
             if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
-                opcode |= wire.OP_PULL
+                opcode |= wire.OP_PULL | (wire.OP_PUSH if self._pushes(wr) else 0)
                 spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]
                 region = shm.region_of(spans)
                 views = [memoryview(wire.PULL_COUNT.pack(len(spans) | (wire.PULL_HAS_REGION if region else 0))
@@ -194,8 +207,12 @@ class Requester:
                                                           and nbytes + self._send_q[0].length <= SEND_BATCH_BYTES)):
                         batch.append(self._send_q.popleft())
                         nbytes += batch[-1].length
+                        if self._pushes(batch[-1]):
+                            break  # it ends its batch: nothing follows it before its PUSH_AT is answered
                     self._number(batch)
                     self._tx_busy = True
+                    if batch and self._pushes(batch[-1]):  # (before it leaves: its PUSH_AT may come back at once)
+                        self._push_psn, self._push_at = batch[-1].psn, None
             bufs, broken, free_at = self._frame(batch) if tail is None else (tail, None, time.monotonic())
             try:
                 wire.send_buffers(sock, bufs)
@@ -205,6 +222,12 @@ class Requester:
             if broken is not None:  # nothing after it goes (`_tx_busy` stays taken): the QP errors
                 self._fail(WCStatus.LOC_PROT_ERR, broken)
                 return
+            if batch and self._pushes(batch[-1]):
+                try:
+                    self._await_push(sock, batch[-1])
+                except OSError as exc:
+                    self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
+                    return
             with self._cv:
                 self._tx_busy = False
                 self._cv.notify_all()  # for whoever waits on `_cv` for the writer to let go (tests)
@@ -236,6 +259,15 @@ class Requester:
                     self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}" if busy else f"peer disconnected: {exc}")
                 return
             magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
+            if kind == wire.PUSH_AT and magic == wire.RESP_MAGIC and version == wire.VERSION:
+                try:
+                    if not self._push_asked(rd, psn, length, delay):
+                        self._fail(WCStatus.BAD_RESP_ERR, "unexpected PUSH_AT from peer")
+                        return
+                except (OSError, wire.PeerClosed) as exc:
+                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}")
+                    return
+                continue
             # ACKs are cumulative (as on a real RC link): an answer for psn also acknowledges
             # every earlier request still in flight
             earlier: List[_WR] = []
@@ -265,6 +297,96 @@ class Requester:
                     return
             self._complete_later([wr], WCStatus(status), delay)
 
+    # -- push (wire.py): a large same-host WRITE copied by us into the responder's shared memory ----------
+    def _pushes(self, wr: _WR) -> bool:
+        return self._push and wr.op == "write" and wr.length >= PUSH_MIN_BYTES and wr.rkey not in self._no_push_rkeys
+
+    def _push_asked(self, rd: wire.Reader, psn: int, length: int, delay: float) -> bool:
+        """The ack reader got PUSH_AT for `psn`: hand its body (empty: no push here) to the send thread, which
+        waits for it (the answer also acknowledges every request before that WRITE). False if nobody waits for
+        it."""
+        if length not in (0, wire.PUSH_AT_BODY.size):
+            return False
+        body = wire.PUSH_AT_BODY.unpack(rd.read(length)) if length else ()
+        earlier: List[_WR] = []
+        with self._cv:
+            idx = next((i for i, w in enumerate(self._inflight) if w.psn == psn), None)
+            if self._push_psn != psn or idx is None:
+                return False
+            earlier = [self._inflight.popleft() for _ in range(idx)]
+            self._push_at = body
+            self._tx_cv.notify_all()
+        if earlier:
+            self._complete_later(earlier, WCStatus.SUCCESS, delay)
+        return True
+
+    def _await_push(self, sock: Any, wr: _WR) -> None:
+        """`wr` (a push-marked WRITE) has left: wait for the responder's PUSH_AT or its answer to `wr`, and
+        after a PUSH_AT copy the payload in (or decline) and send PLACED. Bounded: the ack reader fails the
+        QP when the peer answers nothing within the retry timeout, which ends the wait."""
+        with self._cv:  # (`_push_psn` was set when `wr` was numbered)
+            while (self._push_at is None and self._st == QPState.RTS and not self._closing
+                   and any(w is wr for w in self._inflight)):
+                self._tx_cv.wait(1.0)  # (woken by the ack reader; the timeout only re-checks)
+            body, self._push_psn, self._push_at = self._push_at, None, None
+        if not body:  # answered without a push (or the QP is failing), or "no push here": not for this rkey again
+            if body is not None:
+                if len(self._no_push_rkeys) >= NO_PUSH_RKEYS:
+                    self._no_push_rkeys.clear()
+                self._no_push_rkeys.add(wr.rkey)
+            return
+
+        def note(placed: int) -> None:
+            wire.send_buffers(sock, [memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, wire.OP_PLACED, wr.psn,
+                                                              placed, 0, 0, 0, 0))])
+
+        target = self._push_target(wr, body)
+        if target is None:
+            self._no_push_rkeys.add(wr.rkey)
+            note(0)  # declined: the responder reads it itself
+            return
+        mapped, pieces, views = target
+        done = 0
+        for remote, local in pieces:  # piece by piece, each announced: the responder digests it meanwhile
+            if self._st != QPState.RTS or self._closing:
+                return  # the QP failed or closes: no byte more (the responder has let go of the MR)
+            mapped.copy(remote, local)
+            done += sum(n for _, n in local)
+            note(done)
+        del views
+
+    def _push_target(self, wr: _WR, body: Tuple[int, ...]) -> Optional[Tuple[Any, List[Any], List[memoryview]]]:
+        """Where to copy `wr`'s payload in the responder's region named in PUSH_AT `body`: (the writable
+        mapping, the copy's pieces of PUSH_PIECE_BYTES as (remote spans, local spans), the payload's views,
+        held while it is copied); None (decline: the responder reads it itself) unless the pid is the peer's
+        (it holds the other end of this QP's connection, samehost.peer_owns; not this process; this network
+        namespace) and the region maps as the provider's own memfd (shm.PeerRegions' checks), is none of ours
+        and holds the WRITE's target."""
+        fd, ino, base, size, pid = body
+        try:
+            views = [s.view() for s in wr.sges]  # (held: the buffers stay alive while we copy from them)
+            if pid == os.getpid() or shm.own_inode(ino):
+                return None
+            regions = self._push_regions
+            if regions is None or regions.pid != pid:
+                if not samehost.same_network_namespace(pid) or not samehost.peer_owns(pid, self._req_sock):
+                    log.warning("soft QP %d: the peer named pid %d for a push, which does not hold its end of the "
+                                "connection; this QP pushes no more", self.qpn, pid)  # type: ignore[attr-defined]
+                    self._push = False
+                    return None
+                if regions is not None:
+                    regions.close()
+                regions = self._push_regions = shm.PeerRegions(pid, writable=True)
+            m = regions.get((fd, ino, base, size))
+            if m is None or not m.holds([(wr.raddr, wr.length)]):
+                return None
+            local = [(address_of(v), v.nbytes) for v in views if v.nbytes]
+            sizes = [min(PUSH_PIECE_BYTES, wr.length - o) for o in range(0, wr.length, PUSH_PIECE_BYTES)]
+            return m, list(zip(samehost._split([(wr.raddr, wr.length)], sizes), samehost._split(local, sizes))), views
+        except (OSError, ValueError, UsageError) as exc:
+            log.info("soft QP %d: push of wr %d declined: %s", self.qpn, wr.wr_id, exc)  # type: ignore[attr-defined]
+            return None
+
     def _complete_later(self, wrs: List[_WR], st: WCStatus, delay: float) -> None:
         """Complete `wrs` (in order, all with `st`) now, or after the link model's return delay."""
         if self._ack_line is not None:
@@ -276,6 +398,8 @@ class Requester:
         with self._cv:  # once for a cumulative ACK's WRs, not once each
             self._outstanding -= len(wrs)
             self._cv.notify_all()
+            if self._push_psn is not None:  # the send thread waits for a push-marked WRITE's fate
+                self._tx_cv.notify_all()
         if status != WCStatus.SUCCESS:
             self._err_seen = True
         why = "" if status == WCStatus.SUCCESS else f"the peer answered {status.name}"

@@ -8,6 +8,7 @@ from the requester's memory, samehost.py), and answers ACK/NAK, delayed by the l
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import time
@@ -33,7 +34,12 @@ PSN_MASK = 0xFFFFFF
 log = logging.getLogger("easypyverbs.soft")
 _OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
 #: a same-host request's payload: its spans in the requester's memory, and the mapping to copy them from (or None)
-Pulled = Tuple[List[Any], Optional[shm.Mapped]]
+#: (or the region named, not yet mapped: a WRITE the requester offered to push, mapped only if it does not)
+Pulled = Tuple[List[Any], Any]
+
+
+class ProtocolViolation(Exception):
+    """The requester sent what the protocol does not allow at this point."""
 
 
 class Responder:
@@ -86,17 +92,19 @@ class Responder:
                 rd.read_into(hdr)
                 magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
                 due = time.monotonic() + due_us / 1e6 + fwd_delay_s
-                op, has_imm, pull = opcode & 0x3F, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
+                op, has_imm, pull = opcode & wire.OP_MASK, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
+                push = bool(opcode & wire.OP_PUSH)
                 if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected \
-                        or (pull and (not self._pull_pid or op == wire.OP_READ)):
+                        or (pull and (not self._pull_pid or op == wire.OP_READ)) or (push and (not pull or op != wire.OP_WRITE)):
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
                     return
                 expected = (expected + 1) & PSN_MASK
-                pulled = self._read_spans(rd, length) if pull else None
+                pulled = self._read_spans(rd, length, push and self._push_ok) if pull else None
                 if pull and pulled is None:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
                     return
-                self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, pulled)
+                self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, pulled,
+                            push and self._push_ok)
             except (OSError, wire.PeerClosed) as exc:
                 with self._cv:
                     acks_pending = bool(self._inflight)
@@ -104,6 +112,9 @@ class Responder:
                 # then the closed connection itself, and errors the QP with the right statuses
                 if not self._closing and not acks_pending:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"peer disconnected: {exc}")
+                return
+            except ProtocolViolation as exc:
+                self._enter_error(WCStatus.WR_FLUSH_ERR, str(exc))
                 return
             except UsageError as exc:  # a posted receive's MR was deregistered
                 self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
@@ -125,10 +136,10 @@ class Responder:
         while regions.mapped and not poller.poll(shm.PRUNE_EVERY_S * 1000):
             regions.maybe_prune()
 
-    def _read_spans(self, rd: wire.Reader, length: int) -> Optional[Pulled]:
+    def _read_spans(self, rd: wire.Reader, length: int, defer: bool = False) -> Optional[Pulled]:
         """The (address, length) spans of a same-host request, and the mapping of the shared region they
-        lie in if the requester names one that can be mapped; None if the spans do not add up to
-        `length` or lie outside the region named."""
+        lie in if the requester names one that can be mapped (`defer`: the region named, mapped when
+        needed); None if the spans do not add up to `length` or lie outside the region named."""
         (count,) = wire.PULL_COUNT.unpack(rd.read(wire.PULL_COUNT.size))
         named, count = bool(count & wire.PULL_HAS_REGION), count & ~wire.PULL_HAS_REGION
         if count > wire.MAX_PULL_SPANS:
@@ -140,18 +151,24 @@ class Responder:
             region = wire.PULL_REGION.unpack(rd.read(wire.PULL_REGION.size))
             if self._regions is None:
                 self._regions = shm.PeerRegions(self._pull_pid)
-            inside, src = self._regions.source(region, spans)
-            if not inside:
-                return None
+            if defer:
+                src = region
+            else:
+                inside, src = self._regions.source(region, spans)
+                if not inside:
+                    return None
         return (spans, src) if sum(n for _, n in spans) == length else None
 
     def _place(self, rd: wire.Reader, pulled: Optional[Pulled], targets: List[memoryview], due: float, psn: int,
-               landing: Optional[Landing] = None) -> bool:
+               landing: Optional[Landing] = None, push: bool = False) -> bool:
         """Fill `targets` with the request's payload: from the socket, or (same-host path) straight from
-        the requester's memory. False (the request answered with an error, the QP failing) if the
-        requester's memory cannot be read. `landing` (one target, a tracked MR's WRITE): place it piece by
-        piece, each digested as soon as it is placed."""
+        the requester's memory, or (`push`: a WRITE whose requester offered to copy it) by the requester
+        where the target lies in a shared region of ours. False (the request answered with an error, the
+        QP failing) if the requester's memory cannot be read. `landing` (one target, a tracked MR's
+        WRITE): place it piece by piece, each digested as soon as it is placed."""
         pieces = landing.pieces() if landing is not None else None
+        if push and pulled is not None and len(targets) == 1 and self._pushed(rd, targets[0], psn, landing, pieces):
+            return True
         if pulled is None:
             if landing is not None:
                 for at, n, _first in pieces:  # type: ignore[union-attr]
@@ -162,16 +179,52 @@ class Responder:
                 rd.read_into(t)
             return True
         try:
+            src = pulled[1]
+            if isinstance(src, tuple):  # a push declined: the region named, mapped now
+                inside, src = self._regions.source(src, pulled[0])  # type: ignore[union-attr]
+                if not inside:
+                    raise OSError(22, "the spans lie outside the region named")
             samehost.read_from(self._pull_pid, pulled[0], [(address_of(t), t.nbytes) for t in targets],
-                               pieces=pieces, on_piece=landing.landed if landing is not None else None, src=pulled[1])
+                               pieces=pieces, on_piece=landing.landed if landing is not None else None, src=src)
         except Exception as exc:  # OSError from the kernel; anything else must fail this request, not the thread
             self._answer(rd.sock, due, wire.NAK, psn, WCStatus.LOC_PROT_ERR, then_error=True,
                          why=f"cannot read the requester's memory: {exc}")
             return False
         return True
 
+    def _pushed(self, rd: wire.Reader, target: memoryview, psn: int, landing: Optional[Landing] = None,
+                pieces: Optional[List[Tuple[int, int, bool]]] = None) -> bool:
+        """Ask the requester to copy a WRITE's payload into `target` itself (already checked: rkey, bounds,
+        access) where it lies in a shared region of ours (else an empty PUSH_AT: read it ourselves): PUSH_AT, then its PLACED notes, each the length of
+        the prefix placed so far, growing to the whole (`landing`: each of its `pieces` digested as soon as a
+        note covers it, while the requester copies on). True if it placed the payload; False if it declined
+        (a first note of 0 bytes: read it as before) or no region holds `target`. Raises ProtocolViolation
+        on anything but the notes owed (the QP fails)."""
+        region = shm.region_of([(address_of(target), target.nbytes)])
+        body = wire.PUSH_AT_BODY.pack(*region, os.getpid()) if region is not None else b""  # (empty: no push here)
+        with self._resp_lock:
+            wire.send_buffers(rd.sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, wire.PUSH_AT, psn,
+                                                                  int(WCStatus.SUCCESS), len(body)) + body)])
+        if region is None:
+            return False
+        placed, i = 0, 0
+        while placed < target.nbytes:
+            magic, version, opcode, got_psn, length, _a, _k, _i, _d = wire.REQ.unpack(rd.read(wire.REQ.size))
+            if magic != wire.REQ_MAGIC or version != wire.VERSION or opcode != wire.OP_PLACED or got_psn != psn \
+                    or not (placed < length <= target.nbytes or (length == 0 and placed == 0)):
+                raise ProtocolViolation(f"protocol violation from peer (expected PLACED for psn {psn} beyond "
+                                        f"{placed} of {target.nbytes} bytes)")
+            if length == 0:
+                return False
+            placed = length
+            while landing is not None and pieces is not None and i < len(pieces) and sum(pieces[i][:2]) <= placed:
+                landing.landed(pieces[i][0], pieces[i][1])
+                i += 1
+        self.pushes += 1
+        return True
+
     def _serve(self, rd: wire.Reader, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
-               imm: int, due: float, pulled: Optional[Pulled] = None) -> None:
+               imm: int, due: float, pulled: Optional[Pulled] = None, push: bool = False) -> None:
         sock = rd.sock  # answers go out on it; every byte in comes through `rd`
         if op == wire.OP_READ:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
@@ -198,7 +251,7 @@ class Responder:
                 landing = mr.landing.begin(raddr - mr.addr, length) if mr.landing is not None else None
                 placed = False
                 try:
-                    placed = self._place(rd, pulled, [view], due, psn, landing)
+                    placed = self._place(rd, pulled, [view], due, psn, landing, push)
                 finally:
                     if landing is not None:
                         landing.end(placed)

@@ -24,6 +24,8 @@ import ctypes
 import ctypes.util
 import os
 import secrets
+import socket
+import sys
 import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -224,6 +226,45 @@ def usable(pid: int, addr: int, expect: bytes) -> bool:
     return got.raw == expect
 
 
+def _proc_tcp_address(family: int, host: str, port: int) -> str:
+    """`host`:`port` as /proc/net/tcp{,6} writes it (each 32-bit word of the address in host byte order, hex)."""
+    raw = socket.inet_pton(family, host)
+    words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+    return "".join(int.from_bytes(w, sys.byteorder).to_bytes(4, "big").hex().upper() for w in words) + f":{port:04X}"
+
+
+def peer_owns(pid: int, sock: Any) -> bool:
+    """Does process `pid` hold the other end of our TCP connection `sock` (a socket, or a TLS stream over one)?
+    The socket whose local and remote addresses are ours swapped is looked up in /proc/net/tcp{,6} (this
+    network namespace), and its inode among /proc/<pid>/fd. A pid named by a peer must pass this before
+    either side copies memory of that process: our probe bytes in its memory alone would not prove it is the
+    peer (the peer could have written them into a third process it talks to)."""
+    s = getattr(sock, "sock", sock)
+    try:
+        family = s.family
+        mine, theirs = s.getsockname()[:2], s.getpeername()[:2]
+        want = (_proc_tcp_address(family, *theirs), _proc_tcp_address(family, *mine))
+        inode = None
+        with open("/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and (cols[1], cols[2]) == want:
+                    inode = cols[9]
+                    break
+        if inode is None or inode == "0":
+            return False
+        target = f"socket:[{inode}]"
+        for fd in os.listdir(f"/proc/{int(pid)}/fd"):
+            try:
+                if os.readlink(f"/proc/{int(pid)}/fd/{fd}") == target:
+                    return True
+            except OSError:
+                continue
+    except (OSError, ValueError, AttributeError):
+        return False
+    return False
+
+
 def same_network_namespace(pid: int) -> bool:
     """Is process `pid` in this process's network namespace? Peers in different namespaces stand for
     different sites (e.g. a WAN testbed): their bytes must cross the network between them."""
@@ -253,3 +294,9 @@ def available() -> Tuple[bool, str]:
 
 def enabled_by_env() -> bool:
     return os.environ.get("EASYPYVERBS_SOFT_SAME_HOST", "auto").strip().lower() not in ("off", "0", "no", "false")
+
+
+def push_enabled() -> bool:
+    """May large WRITEs into a peer's shared memory be copied by the requester (push)? On unless
+    EASYPYVERBS_SOFT_PUSH is off (both sides must agree: each offers it in its HELLO)."""
+    return os.environ.get("EASYPYVERBS_SOFT_PUSH", "auto").strip().lower() not in ("off", "0", "no", "false")

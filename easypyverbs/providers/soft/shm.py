@@ -121,6 +121,13 @@ def shared_array(nbytes: int) -> np.ndarray:
     return arr
 
 
+def own_inode(ino: int) -> bool:
+    """Is `ino` the inode of a live shared region of this process (a region a peer names must never be one of
+    ours: a forked child holds our memfds too)?"""
+    with _lock:
+        return any(r[1] == ino for r in _regions.values())
+
+
 def region_of(spans: Sequence[Span]) -> Optional[Region]:
     """The live shared region of this process that holds every one of `spans`, if one does."""
     if not spans or not _bases:
@@ -166,8 +173,8 @@ def _internal_shmem_mount() -> int:
 class Mapped:
     """One region of the peer, mapped read-only here (with our duplicate of its fd, to see whether it has holes)."""
 
-    def __init__(self, m: mmap.mmap, fd: int, region: Region) -> None:
-        self.map, self.fd, self.region = m, fd, region
+    def __init__(self, m: mmap.mmap, fd: int, region: Region, writable: bool = False) -> None:
+        self.map, self.fd, self.region, self.writable = m, fd, region, writable
         self._arr: Optional[np.ndarray] = np.frombuffer(m, dtype=np.uint8)
         self.addr = int(self._arr.ctypes.data)
 
@@ -184,14 +191,18 @@ class Mapped:
             return False
 
     def copy(self, remote: List[Span], local: List[Span]) -> None:
-        """Copy the peer's bytes at `remote` (its addresses, inside this region) to `local` (ours)."""
-        base = self.region[2]
+        """Copy the peer's bytes at `remote` (its addresses, inside this region) to `local` (ours); with a
+        writable mapping (`Filling`), ours at `local` to the peer's at `remote`."""
+        base, into = self.region[2], self.writable
         ri = li = 0
         roff = loff = 0
         while ri < len(remote) and li < len(local):
             (ra, rn), (la, ln) = remote[ri], local[li]
             k = min(rn - roff, ln - loff)
-            _memmove(la + loff, self.addr + (ra - base) + roff, k)
+            if into:
+                _memmove(self.addr + (ra - base) + roff, la + loff, k)
+            else:
+                _memmove(la + loff, self.addr + (ra - base) + roff, k)
             roff += k
             loff += k
             if roff == rn:
@@ -216,8 +227,9 @@ class Mapped:
 class PeerRegions:
     """The regions of process `pid` that one responder has mapped (used by that responder's thread only)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int, writable: bool = False) -> None:
+        """`writable`: map the regions for writing into them (a requester pushing a WRITE), not reading."""
+        self.pid, self.writable = pid, writable
         self._pidfd: Optional[int] = None
         self._maps: "collections.OrderedDict[int, Mapped]" = collections.OrderedDict()  # by inode
         self._refused: "collections.OrderedDict[Region, None]" = collections.OrderedDict()
@@ -304,7 +316,8 @@ class PeerRegions:
                 raise ValueError("the region is not sealed against shrinking")
             if st.st_size != size:
                 raise ValueError(f"the file holds {st.st_size} bytes, the region names {size}")
-            return Mapped(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ), fd, region)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            return Mapped(mmap.mmap(fd, size, mmap.MAP_SHARED, prot), fd, region, self.writable)
         except BaseException:
             os.close(fd)
             raise

@@ -22,6 +22,17 @@ payload, PULL `!I` (count) then count x `!QQ` (address, length) in the requester
 spans lie in one shared region of the requester (shm.py), the count's high bit is set and PULL_REGION
 `!IQQQ` (fd, inode, base address, size) follows the spans: the responder may map it and copy from there.
 
+Push (same-host path, HELLO flag bit 1 both ways): a large WRITE request may also carry opcode bit 0x20,
+"I can copy this one myself". The responder checks it as any WRITE and answers PUSH_AT at once (a RESP,
+then PUSH_AT_BODY `!IQQQI`: the region's fd, inode, base address and size, and its pid) where the target
+lies in a shared region of its own, else an empty PUSH_AT ("no push here": it reads the payload itself as
+before, and the requester offers no push for that rkey again). The requester's send thread waits for that
+answer; after a PUSH_AT with a body it checks the pid (it must hold the other end of this connection:
+samehost.peer_owns), copies the payload into its writable mapping of the region piece by piece, and after
+each piece sends PLACED (a REQ with opcode OP_PLACED, the WRITE's psn, and the length of the prefix placed
+so far, growing to the WRITE's length; a first PLACED of 0: declined, read it yourself). The responder reads
+nothing else meanwhile, digests each piece as its note comes, and answers the WRITE as usual.
+
 REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
     magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
     imm u32, due_us u64 (link model: microseconds after this header that the message is complete)
@@ -47,6 +58,8 @@ MAX_PULL_SPANS = 1024
 PULL_REGION = struct.Struct("!IQQQ")
 PULL_HAS_REGION = 0x80000000
 FLAG_SAME_HOST = 1
+FLAG_PUSH = 2
+PUSH_AT_BODY = struct.Struct("!IQQQI")
 HELLO_MAGIC = b"SVRB"
 REQ = struct.Struct("!HBBIQQIIQ")
 REQ_MAGIC = 0x5352
@@ -56,7 +69,10 @@ RESP_MAGIC = 0x5341
 OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
 OP_HAS_IMM = 0x80
 OP_PULL = 0x40  # same-host path: the payload is read from the requester's memory
-ACK, NAK, READ_RESP = 1, 2, 3
+OP_PUSH = 0x20  # ... or, for a WRITE into a shared region of the responder, copied in by the requester
+OP_MASK = 0x1F
+OP_PLACED = 5  # requester -> responder after PUSH_AT: the payload is in place (length), or not (0)
+ACK, NAK, READ_RESP, PUSH_AT = 1, 2, 3, 4
 HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN, HELLO_TLS_REQUIRED = 0, 1, 2, 3, 4
 TOKEN_BYTES = 16
 
