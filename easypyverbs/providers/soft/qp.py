@@ -146,7 +146,7 @@ class SoftQP(Requester, Responder, QP):
             token = bytes.fromhex(remote.token).ljust(wire.TOKEN_BYTES, b"\0")[:wire.TOKEN_BYTES]
             offer = self.ctx.same_host and self.ctx.link is None  # type: ignore[attr-defined]
             self._probe = samehost.Probe() if offer else None
-            flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if samehost.push_enabled() else 0)) if offer else 0
+            flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if samehost.push_enabled() and shm.works() else 0)) if offer else 0
             sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, flags,
                                          self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
                                          os.getpid(), self._probe.addr if self._probe else 0,
@@ -275,8 +275,6 @@ class SoftQP(Requester, Responder, QP):
         for s in (self._req_sock, self._resp_sock):
             if s is not None:
                 s.close()
-        if self._push_regions is not None and not any(t.is_alive() and t.name.endswith("-send") for t in self._threads):
-            self._push_regions.close()  # (else left to the process: the send thread may still copy into them)
         with self._cv:
             self._st = QPState.ERR
             self._tail = None

@@ -188,6 +188,14 @@ class Requester:
         return bufs, None, free_at
 
     def _send_loop(self) -> None:
+        try:
+            self._send_batches()
+        finally:  # the push mappings' only user: unmapped as it ends
+            if self._push_regions is not None:
+                self._push_regions.close()
+                self._push_regions = None
+
+    def _send_batches(self) -> None:
         link = self.ctx.link  # type: ignore[attr-defined]
         sock = self._req_sock
         assert sock is not None
@@ -301,6 +309,12 @@ class Requester:
     def _pushes(self, wr: _WR) -> bool:
         return self._push and wr.op == "write" and wr.length >= PUSH_MIN_BYTES and wr.rkey not in self._no_push_rkeys
 
+    def _no_push(self, rkey: int) -> None:
+        """Offer no push for WRITEs under `rkey` again (a bounded memory: forgotten all at once when full)."""
+        if len(self._no_push_rkeys) >= NO_PUSH_RKEYS:
+            self._no_push_rkeys.clear()
+        self._no_push_rkeys.add(rkey)
+
     def _push_asked(self, rd: wire.Reader, psn: int, length: int, delay: float) -> bool:
         """The ack reader got PUSH_AT for `psn`: hand its body (empty: no push here) to the send thread, which
         waits for it (the answer also acknowledges every request before that WRITE). False if nobody waits for
@@ -331,9 +345,7 @@ class Requester:
             body, self._push_psn, self._push_at = self._push_at, None, None
         if not body:  # answered without a push (or the QP is failing), or "no push here": not for this rkey again
             if body is not None:
-                if len(self._no_push_rkeys) >= NO_PUSH_RKEYS:
-                    self._no_push_rkeys.clear()
-                self._no_push_rkeys.add(wr.rkey)
+                self._no_push(wr.rkey)
             return
 
         def note(placed: int) -> None:
@@ -342,14 +354,15 @@ class Requester:
 
         target = self._push_target(wr, body)
         if target is None:
-            self._no_push_rkeys.add(wr.rkey)
+            self._no_push(wr.rkey)
             note(0)  # declined: the responder reads it itself
             return
         mapped, pieces, views = target
         done = 0
         for remote, local in pieces:  # piece by piece, each announced: the responder digests it meanwhile
             if self._st != QPState.RTS or self._closing:
-                return  # the QP failed or closes: no byte more (the responder has let go of the MR)
+                return  # this QP failed or closes: no piece more (a responder that failed first may still
+                # see one piece land after it let go of the MR: a connection that fails drops its slots)
             mapped.copy(remote, local)
             done += sum(n for _, n in local)
             note(done)

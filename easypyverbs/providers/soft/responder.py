@@ -200,6 +200,7 @@ class Responder:
         note covers it, while the requester copies on). True if it placed the payload; False if it declined
         (a first note of 0 bytes: read it as before) or no region holds `target`. Raises ProtocolViolation
         on anything but the notes owed (the QP fails)."""
+        assert self._resp_line is None  # (no delayed answer that a PUSH_AT, sent at once, could overtake)
         region = shm.region_of([(address_of(target), target.nbytes)])
         body = wire.PUSH_AT_BODY.pack(*region, os.getpid()) if region is not None else b""  # (empty: no push here)
         with self._resp_lock:

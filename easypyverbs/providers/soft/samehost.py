@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import ctypes.util
+import functools
 import os
 import secrets
 import socket
@@ -248,10 +249,10 @@ def peer_owns(pid: int, sock: Any) -> bool:
         with open("/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp") as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
-                if len(cols) > 9 and (cols[1], cols[2]) == want:
+                if len(cols) > 9 and (cols[1], cols[2]) == want and cols[9] != "0":  # (0: a TIME_WAIT entry)
                     inode = cols[9]
                     break
-        if inode is None or inode == "0":
+        if inode is None:
             return False
         target = f"socket:[{inode}]"
         for fd in os.listdir(f"/proc/{int(pid)}/fd"):
@@ -275,13 +276,29 @@ def same_network_namespace(pid: int) -> bool:
 
 
 def self_test() -> Tuple[bool, str]:
-    """Whether the path works here at all (doctor): read our own probe through the syscall."""
+    """Whether the path works here at all (doctor): read our own probe through the syscall, and find this
+    process at the other end of a loopback connection (peer_owns: where /proc does not show sockets, no peer
+    can be proven, so the path stays off)."""
     if _fn() is None:
         return False, "process_vm_readv not found in libc"
     p = Probe()
-    if usable(os.getpid(), p.addr, p.value):
-        return True, "process_vm_readv works"
-    return False, f"process_vm_readv refused (errno {ctypes.get_errno()}: {os.strerror(ctypes.get_errno())})"
+    if not usable(os.getpid(), p.addr, p.value):
+        return False, f"process_vm_readv refused (errno {ctypes.get_errno()}: {os.strerror(ctypes.get_errno())})"
+    if not _finds_own_sockets():
+        return False, "a peer's pid cannot be checked here (/proc/net/tcp or /proc/<pid>/fd unreadable)"
+    return True, "process_vm_readv works"
+
+
+@functools.lru_cache(maxsize=1)
+def _finds_own_sockets() -> bool:
+    """peer_owns on a loopback connection of this process's own (once per process)."""
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as srv, socket.create_connection(srv.getsockname(), 5) as c:
+            a, _ = srv.accept()
+            with a:
+                return peer_owns(os.getpid(), c)
+    except OSError:
+        return False
 
 
 def available() -> Tuple[bool, str]:

@@ -34,6 +34,7 @@ import bisect
 import collections
 import ctypes
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -328,6 +329,12 @@ class PeerRegions:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+@functools.lru_cache(maxsize=1)
+def works() -> bool:
+    """self_test, once per process (whether a push into a peer's shared memory can be offered or taken)."""
+    return self_test()[0]
 
 
 def self_test() -> Tuple[bool, str]:
