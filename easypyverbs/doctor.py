@@ -108,7 +108,7 @@ def _same_host() -> Dict[str, Any]:
     from .providers.soft.requester import PUSH_MIN_BYTES
 
     return {"on": ok, "why": why, "copy_threads": samehost.COPY_THREADS, "shared_memory": shm_ok,
-            "shared_memory_why": shm_why, "push": bool(ok and shm_ok and samehost.push_enabled()),
+            "shared_memory_why": shm_why, "push": bool(ok and shm.push_enabled()),
             "push_min_bytes": PUSH_MIN_BYTES}
 
 

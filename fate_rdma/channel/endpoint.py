@@ -18,6 +18,7 @@ from ..errors import AuthenticationError, ConfigError, PeerUnreachable, Transfer
 from .auth import authenticate, load_secret
 from .buffers import Budget, RecvBuffers
 from .connection import Connection
+from .layout import same_host_capable
 from .posting import send_sge_limit
 from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
@@ -154,7 +155,7 @@ class Endpoint:
     def same_host_capable(self) -> bool:
         """Can this endpoint's payloads reach a peer on this host by the soft provider's same-host path? Then a
         send source allocated with `shared=True` (channel.buffers.fresh) is read through a mapping of it."""
-        return bool(getattr(self.ctx, "same_host", False)) and getattr(self.ctx, "link", None) is None
+        return same_host_capable(self.ctx)
 
     # -- connections ----------------------------------------------------------------------------
     def _accept_loop(self) -> None:

@@ -31,9 +31,9 @@ RECV_DEPTH = 256
 CTRL_SENDS = 256
 
 
-def _same_host_soft(ctx: Any) -> bool:
+def same_host_capable(ctx: Any) -> bool:
     """Does `ctx` (a device context) move payloads to peers of this host by the soft provider's same-host
-    path (Endpoint.same_host_capable)?"""
+    path? (Endpoint.same_host_capable; FedRDMA-E slots for a peer of this host are then shared memory.)"""
     return bool(getattr(ctx, "same_host", False)) and getattr(ctx, "link", None) is None
 
 
@@ -56,7 +56,7 @@ class LocalMemory:
             if pool is not None:  # one MR per slot: a grant the peer loses while the slot is held
                 initial = pool.slot_payload_bytes if slot_initial_bytes is None else slot_initial_bytes
                 self.slots = SlotMemory(pd, pool, initial, pin=getattr(pd.ctx, "provider", "") != "soft",
-                                        track=track, shared=near and _same_host_soft(pd.ctx))
+                                        track=track, shared=near and same_host_capable(pd.ctx))
                 for i, mr in enumerate(self.slots.mrs):
                     self.remote_mrs[f"slot{i}"] = mr  # type: ignore[assignment]
             if staging is not None:

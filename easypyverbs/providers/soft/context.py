@@ -181,8 +181,7 @@ class SoftContext(Context):
                     and samehost.peer_owns(pid, sock)):  # (the probe alone: a peer could plant it in a third process)
                 pull_pid = pid  # the requester's memory is readable from here: take its bytes directly
             # (not within one process: its requester would decline a push into its own memory)
-            push = bool(pull_pid and pull_pid != os.getpid() and flags & wire.FLAG_PUSH and samehost.push_enabled()
-                        and shm.works())
+            push = bool(pull_pid and pull_pid != os.getpid() and flags & wire.FLAG_PUSH and shm.push_enabled())
             if status == wire.HELLO_OK and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6,  # type: ignore[union-attr]
                                                                    pull_pid, push):
                 status = wire.HELLO_BUSY

@@ -106,7 +106,6 @@ class SoftQP(Requester, Responder, QP):
         self._push_at: Optional[Tuple[int, ...]] = None  # requester: that PUSH_AT's body, once it came
         self._push_ok = False  # responder: the requester may copy large WRITEs into our shared memory
         self._no_push_rkeys: Set[int] = set()  # requester: rkeys the responder answered "no push here" for
-        self.pushes = 0  # responder: WRITEs the requester copied in itself (tests, doctor)
 
     # -- connection -----------------------------------------------------------------------------
     def _info(self) -> QPInfo:
@@ -146,7 +145,7 @@ class SoftQP(Requester, Responder, QP):
             token = bytes.fromhex(remote.token).ljust(wire.TOKEN_BYTES, b"\0")[:wire.TOKEN_BYTES]
             offer = self.ctx.same_host and self.ctx.link is None  # type: ignore[attr-defined]
             self._probe = samehost.Probe() if offer else None
-            flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if samehost.push_enabled() and shm.works() else 0)) if offer else 0
+            flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if shm.push_enabled() else 0)) if offer else 0
             sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, flags,
                                          self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
                                          os.getpid(), self._probe.addr if self._probe else 0,

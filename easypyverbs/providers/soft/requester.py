@@ -201,6 +201,7 @@ class Requester:
         assert sock is not None
         while True:
             batch: List[_WR] = []
+            pushing: Optional[_WR] = None  # the batch's last WR where it is one to push
             with self._cv:
                 while not self._can_write() and self._st == QPState.RTS and not self._closing:
                     self._tx_cv.wait()
@@ -216,11 +217,12 @@ class Requester:
                         batch.append(self._send_q.popleft())
                         nbytes += batch[-1].length
                         if self._pushes(batch[-1]):
+                            pushing = batch[-1]
                             break  # it ends its batch: nothing follows it before its PUSH_AT is answered
                     self._number(batch)
                     self._tx_busy = True
-                    if batch and self._pushes(batch[-1]):  # (before it leaves: its PUSH_AT may come back at once)
-                        self._push_psn, self._push_at = batch[-1].psn, None
+                    if pushing is not None:  # (before it leaves: its PUSH_AT may come back at once)
+                        self._push_psn, self._push_at = pushing.psn, None
             bufs, broken, free_at = self._frame(batch) if tail is None else (tail, None, time.monotonic())
             try:
                 wire.send_buffers(sock, bufs)
@@ -230,9 +232,9 @@ class Requester:
             if broken is not None:  # nothing after it goes (`_tx_busy` stays taken): the QP errors
                 self._fail(WCStatus.LOC_PROT_ERR, broken)
                 return
-            if batch and self._pushes(batch[-1]):
+            if pushing is not None:
                 try:
-                    self._await_push(sock, batch[-1])
+                    self._await_push(sock, pushing)
                 except OSError as exc:
                     self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
                     return

@@ -195,8 +195,8 @@ class Responder:
     def _pushed(self, rd: wire.Reader, target: memoryview, psn: int, landing: Optional[Landing] = None,
                 pieces: Optional[List[Tuple[int, int, bool]]] = None) -> bool:
         """Ask the requester to copy a WRITE's payload into `target` itself (already checked: rkey, bounds,
-        access) where it lies in a shared region of ours (else an empty PUSH_AT: read it ourselves): PUSH_AT, then its PLACED notes, each the length of
-        the prefix placed so far, growing to the whole (`landing`: each of its `pieces` digested as soon as a
+        access) where it lies in a shared region of ours (else an empty PUSH_AT: we read it ourselves):
+        PUSH_AT, then its PLACED notes, each the length of the prefix placed so far, growing to the whole (`landing`: each of its `pieces` digested as soon as a
         note covers it, while the requester copies on). True if it placed the payload; False if it declined
         (a first note of 0 bytes: read it as before) or no region holds `target`. Raises ProtocolViolation
         on anything but the notes owed (the QP fails)."""
@@ -221,7 +221,6 @@ class Responder:
             while landing is not None and pieces is not None and i < len(pieces) and sum(pieces[i][:2]) <= placed:
                 landing.landed(pieces[i][0], pieces[i][1])
                 i += 1
-        self.pushes += 1
         return True
 
     def _serve(self, rd: wire.Reader, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,

@@ -312,8 +312,3 @@ def available() -> Tuple[bool, str]:
 def enabled_by_env() -> bool:
     return os.environ.get("EASYPYVERBS_SOFT_SAME_HOST", "auto").strip().lower() not in ("off", "0", "no", "false")
 
-
-def push_enabled() -> bool:
-    """May large WRITEs into a peer's shared memory be copied by the requester (push)? On unless
-    EASYPYVERBS_SOFT_PUSH is off (both sides must agree: each offers it in its HELLO)."""
-    return os.environ.get("EASYPYVERBS_SOFT_PUSH", "auto").strip().lower() not in ("off", "0", "no", "false")

@@ -193,7 +193,7 @@ class Mapped:
 
     def copy(self, remote: List[Span], local: List[Span]) -> None:
         """Copy the peer's bytes at `remote` (its addresses, inside this region) to `local` (ours); with a
-        writable mapping (`Filling`), ours at `local` to the peer's at `remote`."""
+        writable mapping (a push), ours at `local` to the peer's at `remote`."""
         base, into = self.region[2], self.writable
         ri = li = 0
         roff = loff = 0
@@ -333,8 +333,15 @@ class PeerRegions:
 
 @functools.lru_cache(maxsize=1)
 def works() -> bool:
-    """self_test, once per process (whether a push into a peer's shared memory can be offered or taken)."""
+    """self_test, once per process."""
     return self_test()[0]
+
+
+def push_enabled() -> bool:
+    """May large WRITEs into a peer's shared memory be copied by the requester (push)? Where shared regions
+    work here, unless EASYPYVERBS_SOFT_PUSH is off (each side offers or takes it in the HELLO exchange)."""
+    switch = os.environ.get("EASYPYVERBS_SOFT_PUSH", "auto").strip().lower()
+    return switch not in ("off", "0", "no", "false") and works()
 
 
 def self_test() -> Tuple[bool, str]:
