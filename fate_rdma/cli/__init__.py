@@ -1,20 +1,25 @@
 """The `fate-rdma` command: one subcommand per module.
 
 Exit codes: 0 success; 1 the command ran and failed (verification mismatch, transfer error);
-2 usage error (bad arguments).
+2 usage error (bad arguments); 130 interrupted (Ctrl-C, or SIGTERM for the commands that start jobs).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import sys
-from typing import List, Optional
+import threading
+from typing import Any, Iterator, List, Optional
 
 SUBCOMMANDS = {
     "doctor": ("fate_rdma.cli.doctor", "explain what this machine offers: providers, RDMA devices, ports, GIDs"),
-    "demo": ("fate_rdma.cli.demo", "the main job: move a GPT-2-sized buffer between two processes and verify it"),
-    "bench": ("fate_rdma.cli.bench", "benchmarks that print figures (JSON lines + table): verbs, transfer"),
+    "demo": ("fate_rdma.cli.demo", "the main job: GPT-2 LoRA FedAvg with FATE-LLM over fate-rdma, FATE's own path "
+             "against fate-rdma, then a GPT-2-sized transfer, each verified"),
+    "bench": ("fate_rdma.cli.bench", "benchmarks that print figures (JSON lines + table): verbs, transfer, latency, "
+              "fate, timeline"),
     "hook": ("fate_rdma.cli.hook", "install the start-up hook that switches fate-rdma on in FATE task processes"),
     "launch": ("fate_rdma.cli.launch", "run a FATE launcher script with fate-rdma switched on"),
     "flow": ("fate_rdma.cli.flow", "fate-flow jobs: once-per-site setup/remove/check of dag.conf.extra.fate_rdma"),
@@ -25,6 +30,30 @@ SUBCOMMANDS = {
     "wan": ("fate_rdma.cli.wan", "a WAN testbed with real packets: sites as namespaces, shaped links (up/down/status/check)"),
     "sweep": ("fate_rdma.cli.sweep", "LoRA rank sweep with real GPT-2 FedAvg training: loss, compute, communication per rank"),
 }
+
+
+#: commands that start process groups of their own (FATE jobs, peers, testbeds): SIGTERM stops them as Ctrl-C
+#: does, so that what they started is taken down with them instead of outliving a killed parent
+STOPS_ITS_CHILDREN = {"bench", "demo", "sweep", "eval", "wan"}
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread (as Ctrl-C), so `finally`
+    blocks and `except BaseException` clean-ups run; the previous handler comes back after it. Off the
+    main thread (where Python cannot install handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +78,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    if args.command not in STOPS_ITS_CHILDREN:
+        return int(module.run(args) or 0)
+    try:
+        with sigterm_as_interrupt():
+            return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"fate-rdma {args.command}: interrupted (what it started was stopped)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Tuple
+
+from . import sigterm_as_interrupt
 
 LINK_STUDIES = """studies (--study, comma separated; one testbed, reshaped between links):
   chunks       TCP stream, gRPC stream, fedrdma / fedrdma-e at window 1 (the paper) and auto, Mooncake TE TCP
@@ -237,23 +237,17 @@ def run(args: argparse.Namespace) -> int:
             return 3
     command = "fate-rdma " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["eval"] else ["eval", args.eval_action, "..."])
 
-    def interrupted(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM as Ctrl-C, so the testbed is removed
-
-    previous = signal.signal(signal.SIGTERM, interrupted) if threading.current_thread() is threading.main_thread() else None
     kw: dict = {"log": lambda s: print(s, flush=True), "command": command}
     if needs_testbed:
         kw.update(prefix=args.prefix, timeout_s=args.timeout_s)
     removed = " (the testbed was removed)" if needs_testbed else ""
     try:
-        runner(out_root=Path(args.out), **kw)
+        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C, so the testbed is removed
+            runner(out_root=Path(args.out), **kw)
     except wan.WanError as exc:
         print(f"{name}: {exc}{removed}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{name}: interrupted{removed}", file=sys.stderr)
         return 1
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     return 0

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 from typing import Any, Dict, List
+
+from . import sigterm_as_interrupt
 
 EXIT_UNAVAILABLE = 3
 LINK_KEYS = {"rate_mbit", "delay_ms", "loss_pct", "reorder_pct", "gap_ms"}
@@ -135,16 +135,8 @@ def _print_status(st: Dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def interrupted(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM as Ctrl-C: `up` removes what it made, `check` stops its processes
-
-    if threading.current_thread() is not threading.main_thread():
+    with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: `up` removes what it made, `check` stops its processes
         return _run(args)
-    previous = signal.signal(signal.SIGTERM, interrupted)
-    try:
-        return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:
