@@ -43,6 +43,24 @@ def enabled() -> bool:
     return _dir is not None
 
 
+def start(folder: str) -> None:
+    """Trace this process into `folder` from now on (as FATE_RDMA_TRACE does from its start); `stop` ends it."""
+    global _dir, _file
+    with _lock:
+        if _file is not None:
+            _file.close()
+        _dir, _file = folder, None
+
+
+def stop() -> None:
+    """No more events from this process (its file is closed: complete for a reader)."""
+    global _dir, _file
+    with _lock:
+        if _file is not None:
+            _file.close()
+        _dir, _file = None, None
+
+
 def set_party(who: str) -> None:
     """Name this process in its events (the FATE party it runs, e.g. "guest:9999")."""
     global _who

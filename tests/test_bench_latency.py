@@ -72,3 +72,42 @@ def test_a_peer_error_reaches_the_driver_by_name():
         assert str(latency._peer_error(ctl, TimeoutError("symptom"))) == "symptom"
     finally:
         latency._stop(proc, ctl)
+
+
+def test_steps_split_each_message_joined_across_the_two_processes():
+    """--steps: a traced pass after the row, each message's sender events joined with its receiver's (the other
+    process's file) on the transfer id; every message of the pass (both directions, warm-up included) whole."""
+    out = subprocess.run(BASE + ["--sizes", "64K", "--modes", "fedrdma-e", "--steps"], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    split = [r for r in _rows(out.stdout) if r.get("steps")]
+    assert len(split) == 1 and split[0]["method"] == "fedrdma-e" and split[0]["emulated"] is True
+    assert split[0]["messages"] == 2 * (5 + 10)  # --reps 5 after 10 warm-up round trips, a message each way
+    for name in ("queue", "post", "wire", "verify", "deliver", "verdict", "total"):
+        assert split[0][f"{name}_ms"] is not None and split[0][f"{name}_ms"] >= 0
+    assert split[0]["total_ms"] > split[0]["wire_ms"] > 0
+    assert "where a message's time goes" in out.stdout
+
+
+def test_steps_join_on_the_transfer_id_in_the_other_file(tmp_path):
+    from fate_rdma.bench.latency import steps
+
+    def write(pid, events):
+        (tmp_path / f"trace-{pid}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"t": 1, "ev"')
+
+    # process 1 sends tid 7 (which process 2 receives); process 2 sends its own tid 7 back, received by 1;
+    # a tid sent but never received and a receive without its send join nothing
+    write(1, [{"t": 0.0, "ev": "c_send", "tid": 7}, {"t": 0.001, "ev": "c_start", "tid": 7},
+              {"t": 0.002, "ev": "c_first", "tid": 7}, {"t": 0.010, "ev": "c_done", "tid": 7},
+              {"t": 0.020, "ev": "c_arrived", "tid": 7, "peer": "p2"}, {"t": 0.021, "ev": "c_verified", "tid": 7},
+              {"t": 0.023, "ev": "c_deliver", "tid": 7}, {"t": 0.5, "ev": "c_send", "tid": 9},
+              {"t": 0.6, "ev": "c_arrived", "tid": 11}])
+    write(2, [{"t": 0.005, "ev": "c_arrived", "tid": 7, "peer": "p1"}, {"t": 0.006, "ev": "c_verified", "tid": 7},
+              {"t": 0.008, "ev": "c_deliver", "tid": 7}, {"t": 0.012, "ev": "c_send", "tid": 7},
+              {"t": 0.014, "ev": "c_start", "tid": 7}, {"t": 0.015, "ev": "c_first", "tid": 7},
+              {"t": 0.030, "ev": "c_done", "tid": 7}])
+    got = steps(str(tmp_path))
+    assert got["messages"] == 2
+    # 1 -> 2: queue 1, post 1, wire 3, verify 1, deliver 2, verdict 4, total 10 ms; 2 -> 1: 2, 1, 5, 1, 2, 9, 18 ms
+    assert got == {"messages": 2, "queue_ms": 1.5, "post_ms": 1.0, "wire_ms": 4.0, "verify_ms": 1.0, "deliver_ms": 2.0,
+                   "verdict_ms": 6.5, "total_ms": 14.0}

@@ -12,6 +12,14 @@ the data path (soft provider: `tcp`, as between sites, or `same-host`; pyverbs: 
 provider is an emulation: with the soft provider every figure is emulated verbs over TCP or shared
 memory, not RDMA. `x_raw_tcp`: raw TCP's median round trip over the row's (above 1: faster than raw
 TCP), both from this run. A peer that fails is named with its error (exit 1); bad arguments exit 2.
+
+`--steps`: after each channel row, a second pass of the same ping-pong with both processes traced
+(fate_rdma/trace.py; each event costs its process a few microseconds, so these round trips are not the
+row's) splits a message's time into the channel's steps, medians in ms over every message of the pass:
+queue (the caller's send -> the connection's engine starts it: a hand-off between threads, a receive slot),
+post (-> its first WRITE posted), wire (-> the receiver holds every byte: the NIC's threads, the bytes, the
+receiver's engine woken), verify (-> the checksum held), deliver (-> in the receiver's inbox), verdict
+(verified -> the sender's engine has the verdict) and total (the caller's send -> the verdict).
 """
 from __future__ import annotations
 
@@ -21,8 +29,9 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -35,6 +44,7 @@ from .report import emit, human_bytes, loadavg, parse_size, table
 MODES = ("fedrdma-e", "fedrdma")
 DEFAULT_SIZES = "64K,1M,4M"
 WARMUP = 10
+STEP_REPS = 200  # round trips of a --steps pass at most
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checksum", choices=("crc32c", "xxh3", "blake2b", "none"), default=None,
                    help="the channel's end-to-end check (default: the channel's default, xxh3)")
     p.add_argument("--timeout-s", type=float, default=30.0, help="deadline for each message (default 30 s)")
+    p.add_argument("--steps", action="store_true",
+                   help="after each channel row, a traced pass that splits a message's time into the channel's "
+                        "steps (queue, post, wire, verify, deliver, verdict; medians in ms)")
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -79,13 +92,17 @@ def _raw_peer(ctl: Any, nbytes: int, count: int, timeout_s: float) -> None:
         ctl.send(cpu_s() - c0)
 
 
-def _channel_peer(ctl: Any, cfg: Dict[str, Any], nbytes: int, count: int, timeout_s: float) -> None:
+def _channel_peer(ctl: Any, cfg: Dict[str, Any], nbytes: int, count: int, timeout_s: float,
+                  trace_dir: Optional[str] = None) -> None:
     import logging
 
+    from .. import trace
     from ..channel import Endpoint
     from ..config import ChannelConfig
 
     logging.basicConfig(level=logging.ERROR)
+    if trace_dir:
+        trace.start(trace_dir)
     data = np.ones(nbytes, dtype=np.uint8)
     with Endpoint(ChannelConfig.from_dict(cfg)) as ep:
         ctl.send(ep.address)
@@ -187,12 +204,16 @@ def _raw(nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
         _stop(proc, ctl)
 
 
-def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float) -> Dict[str, Any]:
+def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float,
+             trace_dir: Optional[str] = None) -> Dict[str, Any]:
+    from .. import trace
     from ..channel import Endpoint
     from ..config import ChannelConfig
 
     config = ChannelConfig.from_dict(cfg)
-    proc, ctl = _peer(_channel_peer, cfg, nbytes, reps + WARMUP, timeout_s)
+    proc, ctl = _peer(_channel_peer, cfg, nbytes, reps + WARMUP, timeout_s, trace_dir)
+    if trace_dir:
+        trace.start(trace_dir)
     try:
         address = _ctl_recv(ctl, proc, 60)
         with Endpoint(config) as ep:
@@ -216,11 +237,56 @@ def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float) -> D
     except (FateRdmaError, EasyVerbsError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
         raise _peer_error(ctl, exc) from exc
     finally:
+        if trace_dir:
+            trace.stop()
         _stop(proc, ctl)
 
 
-def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str],
-             out: Optional[Any]) -> List[Dict[str, Any]]:
+#: the steps `--steps` reports: (name, from event, to event); sender events and receiver events join on the
+#: transfer id, the receiver's in the other process's trace file
+STEPS = (("queue", "c_send", "c_start"), ("post", "c_start", "c_first"), ("wire", "c_first", "c_arrived"),
+         ("verify", "c_arrived", "c_verified"), ("deliver", "c_verified", "c_deliver"),
+         ("verdict", "c_verified", "c_done"), ("total", "c_send", "c_done"))
+SENDER_EVENTS = frozenset({"c_send", "c_start", "c_first", "c_done"})
+
+
+def steps(folder: str) -> Dict[str, Any]:
+    """Medians (ms) of STEPS over the messages traced in `folder` by the two processes of one ping-pong, and
+    how many messages were joined whole."""
+    import glob
+    import json
+
+    by: Dict[Tuple[str, bool, Any], Dict[str, float]] = {}
+    for path in glob.glob(os.path.join(folder, "trace-*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue  # (a line cut short)
+                if isinstance(e, dict) and e.get("tid") is not None and isinstance(e.get("t"), (int, float)):
+                    side = by.setdefault((path, e.get("ev") in SENDER_EVENTS, e["tid"]), {})
+                    side.setdefault(str(e.get("ev")), float(e["t"]))
+    received: Dict[Any, List[Tuple[str, Dict[str, float]]]] = {}
+    for (path, sender, tid), side in by.items():
+        if not sender:
+            received.setdefault(tid, []).append((path, side))
+    spans: Dict[str, List[float]] = {name: [] for name, _, _ in STEPS}
+    joined = 0
+    for (path, sender, tid), snd in by.items():
+        rcv = next((v for p, v in received.get(tid, []) if p != path), None) if sender else None
+        if rcv is None:
+            continue
+        ev = {**snd, **rcv}
+        if all(a in ev and b in ev for _, a, b in STEPS):
+            joined += 1
+            for name, a, b in STEPS:
+                spans[name].append((ev[b] - ev[a]) * 1000)
+    return {"messages": joined, **{f"{k}_ms": round(float(np.median(v)), 3) if v else None for k, v in spans.items()}}
+
+
+def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str], out: Optional[Any],
+             split_rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     rows = []
     for nbytes in sizes:
         raw = {"bench": "latency", "msg_bytes": nbytes, **_raw(nbytes, args.reps, args.timeout_s)}
@@ -234,6 +300,14 @@ def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str],
             row["x_raw_tcp"] = round(raw["rtt_ms_median"] / row["rtt_ms_median"], 3)
             emit(row, out)
             rows.append(row)
+            if args.steps:
+                with tempfile.TemporaryDirectory(prefix="fate-rdma-latency-trace-") as folder:
+                    traced = _channel(cfg, nbytes, min(args.reps, STEP_REPS), args.timeout_s, folder)
+                    split = {"bench": "latency", "steps": True, "msg_bytes": nbytes, "method": mode,
+                             "provider": traced["provider"], "path": traced["path"], "emulated": traced["emulated"],
+                             "traced_rtt_ms_median": traced["rtt_ms_median"], **steps(folder)}
+                emit(split, out)
+                split_rows.append(split)
     return rows
 
 
@@ -254,8 +328,9 @@ def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
         return _usage("give at least one message size (--sizes) and --reps >= 1")
     print(f"fate-rdma bench latency: sizes {', '.join(human_bytes(z) for z in sizes)}, {args.reps} round trips "
           f"after {WARMUP} warm-up, path {args.path}, load average {loadavg()}", flush=True)
+    split_rows: List[Dict[str, Any]] = []
     try:
-        rows = _measure(args, sizes, modes, out)
+        rows = _measure(args, sizes, modes, out, split_rows)
     except (FateRdmaError, EasyVerbsError, RuntimeError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
         what = "" if isinstance(exc, _PeerFailed) else f"{type(exc).__name__}: "
         print(f"fate-rdma bench latency: {what}{exc}", file=sys.stderr)
@@ -270,4 +345,11 @@ def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
               "not RDMA: these are emulated figures", flush=True)
     print(f"cpu_ms_local, cpu_ms_peer: CPU milliseconds per round trip of this process and of the peer (pid "
           f"{os.getpid()} and a spawned one), user + system, every thread", flush=True)
+    if split_rows:
+        print(f"\nwhere a message's time goes (--steps: a traced pass of up to {STEP_REPS} round trips after each "
+              f"row; medians in ms per message, both directions; tracing costs each event a few us)", flush=True)
+        for r in split_rows:
+            r["size"] = human_bytes(r["msg_bytes"])
+        table(split_rows, ["size", "method", "provider", "path", "emulated", "messages", "traced_rtt_ms_median",
+                           *(f"{name}_ms" for name, _, _ in STEPS)], out)
     return 0
