@@ -9,7 +9,8 @@ they do not: compare within a party there). `fate-rdma bench timeline FOLDER` re
 The events, by where they happen (`tid`: the channel's transfer id, which both ends see; unique per sending
 process, so a timeline joins a sender's events and a receiver's on (party, tid)):
   wrapper, sender:   put (FATE's put began: name, tag, bytes), put_sent (the channel took it: tid, dst, name, tag)
-  channel, sender:   c_send (queued: tid, bytes, peer), c_start (the connection's active transfer: a slot granted),
+  channel, sender:   c_send (the caller's send began: tid, bytes, peer; written once the channel queued it, with
+                     the time the call began), c_start (the connection's active transfer: a slot granted),
                      c_first (its first chunk posted: the first byte on the wire), c_done (the receiver's verdict
                      arrived)
   channel, receiver: c_arrived (every byte placed: FedRDMA-E's header landed, FedRDMA's last chunk), c_verified
@@ -43,22 +44,26 @@ def enabled() -> bool:
     return _dir is not None
 
 
-def start(folder: str) -> None:
-    """Trace this process into `folder` from now on (as FATE_RDMA_TRACE does from its start); `stop` ends it."""
+def start(folder: str) -> Optional[str]:
+    """Trace this process into `folder` from now on (as FATE_RDMA_TRACE does from its start); returns the folder
+    traced into before (None: none), for `stop` to go back to."""
     global _dir, _file
     with _lock:
+        before = _dir
         if _file is not None:
             _file.close()
         _dir, _file = folder, None
+        return before
 
 
-def stop() -> None:
-    """No more events from this process (its file is closed: complete for a reader)."""
+def stop(back_to: Optional[str] = None) -> None:
+    """No more events into the current folder (its file is closed: complete for a reader); then trace into
+    `back_to` again if given (what `start` returned), else not at all."""
     global _dir, _file
     with _lock:
         if _file is not None:
             _file.close()
-        _dir, _file = None, None
+        _dir, _file = back_to, None
 
 
 def set_party(who: str) -> None:
@@ -67,14 +72,14 @@ def set_party(who: str) -> None:
     _who = who
 
 
-def event(ev: str, **fields: Any) -> None:
-    """Record `ev` now (nothing unless FATE_RDMA_TRACE is set). Never raises: the channel's threads call it. A
-    trace that cannot be written (a full disk, a folder not writable) is switched off, once, with a warning; an
-    event whose fields cannot be written is left out."""
+def event(ev: str, at: Optional[float] = None, **fields: Any) -> None:
+    """Record `ev` now, or as of `at` (a time.monotonic() reading taken earlier; nothing unless tracing is on).
+    Never raises: the channel's threads call it. A trace that cannot be written (a full disk, a folder not
+    writable) is switched off, once, with a warning; an event whose fields cannot be written is left out."""
     global _dir, _file, _pid
     if _dir is None:
         return
-    t = time.monotonic()
+    t = time.monotonic() if at is None else at
     try:
         line = json.dumps({"t": t, "ev": ev, "who": _who, **fields}, separators=(",", ":"), default=str)
         with _lock:

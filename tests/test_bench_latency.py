@@ -82,7 +82,7 @@ def test_steps_split_each_message_joined_across_the_two_processes():
     assert out.returncode == 0, out.stdout + out.stderr
     split = [r for r in _rows(out.stdout) if r.get("steps")]
     assert len(split) == 1 and split[0]["method"] == "fedrdma-e" and split[0]["emulated"] is True
-    assert split[0]["messages"] == 2 * (5 + 10)  # --reps 5 after 10 warm-up round trips, a message each way
+    assert split[0]["messages"] == 2 * 5  # --reps 5 (after 10 warm-up round trips, left out), a message each way
     for name in ("queue", "post", "wire", "verify", "deliver", "verdict", "total"):
         assert split[0][f"{name}_ms"] is not None and split[0][f"{name}_ms"] >= 0
     assert split[0]["total_ms"] > split[0]["wire_ms"] > 0
@@ -106,8 +106,30 @@ def test_steps_join_on_the_transfer_id_in_the_other_file(tmp_path):
               {"t": 0.008, "ev": "c_deliver", "tid": 7}, {"t": 0.012, "ev": "c_send", "tid": 7},
               {"t": 0.014, "ev": "c_start", "tid": 7}, {"t": 0.015, "ev": "c_first", "tid": 7},
               {"t": 0.030, "ev": "c_done", "tid": 7}])
+    assert steps(str(tmp_path), skip=1) == {"messages": 0, **{f"{k}_ms": None for k in (
+        "queue", "post", "wire", "verify", "deliver", "verdict", "total")}}  # each sender's first: warm-up
     got = steps(str(tmp_path))
     assert got["messages"] == 2
     # 1 -> 2: queue 1, post 1, wire 3, verify 1, deliver 2, verdict 4, total 10 ms; 2 -> 1: 2, 1, 5, 1, 2, 9, 18 ms
     assert got == {"messages": 2, "queue_ms": 1.5, "post_ms": 1.0, "wire_ms": 4.0, "verify_ms": 1.0, "deliver_ms": 2.0,
                    "verdict_ms": 6.5, "total_ms": 14.0}
+
+
+def test_trace_start_and_stop_go_back_to_the_folder_traced_before(tmp_path):
+    from fate_rdma import trace
+
+    was = trace._dir
+    try:
+        assert trace.start(str(tmp_path / "a")) == was
+        trace.event("x", tid=1)
+        assert trace.start(str(tmp_path / "b")) == str(tmp_path / "a")
+        trace.stop(back_to=str(tmp_path / "a"))
+        trace.event("y", at=12.5, tid=2)
+        trace.stop()
+        assert trace._dir is None
+        trace.event("z", tid=3)  # off: written nowhere
+        lines = [json.loads(x) for f in (tmp_path / "a").iterdir() for x in f.read_text().splitlines()]
+        assert [(e["ev"], e["tid"]) for e in lines] == [("x", 1), ("y", 2)] and lines[1]["t"] == 12.5
+        assert not (tmp_path / "b").exists()
+    finally:
+        trace.stop(back_to=was)

@@ -16,10 +16,12 @@ TCP), both from this run. A peer that fails is named with its error (exit 1); ba
 `--steps`: after each channel row, a second pass of the same ping-pong with both processes traced
 (fate_rdma/trace.py; each event costs its process a few microseconds, so these round trips are not the
 row's) splits a message's time into the channel's steps, medians in ms over every message of the pass:
-queue (the caller's send -> the connection's engine starts it: a hand-off between threads, a receive slot),
-post (-> its first WRITE posted), wire (-> the receiver holds every byte: the NIC's threads, the bytes, the
-receiver's engine woken), verify (-> the checksum held), deliver (-> in the receiver's inbox), verdict
-(verified -> the sender's engine has the verdict) and total (the caller's send -> the verdict).
+queue (the caller's send began -> the connection's engine starts it: registering the payload, a hand-off
+between threads, a receive slot), post (-> its first WRITE posted), wire (-> the receiver holds every byte:
+the NIC's threads, the bytes, the receiver's engine woken; in fedrdma mode also each chunk's check and copy
+out, so its verify is '-'), verify (-> the checksum held), deliver (-> in the receiver's inbox), verdict
+(verified -> the sender's engine has the verdict) and total (the caller's send -> the verdict); the pass's
+warm-up messages are left out.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ def _channel_peer(ctl: Any, cfg: Dict[str, Any], nbytes: int, count: int, timeou
 
     logging.basicConfig(level=logging.ERROR)
     if trace_dir:
-        trace.start(trace_dir)
+        trace.start(trace_dir)  # (this process ends with the pass: nothing to go back to)
     data = np.ones(nbytes, dtype=np.uint8)
     with Endpoint(ChannelConfig.from_dict(cfg)) as ep:
         ctl.send(ep.address)
@@ -212,8 +214,7 @@ def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float,
 
     config = ChannelConfig.from_dict(cfg)
     proc, ctl = _peer(_channel_peer, cfg, nbytes, reps + WARMUP, timeout_s, trace_dir)
-    if trace_dir:
-        trace.start(trace_dir)
+    before = trace.start(trace_dir) if trace_dir else None
     try:
         address = _ctl_recv(ctl, proc, 60)
         with Endpoint(config) as ep:
@@ -238,7 +239,7 @@ def _channel(cfg: Dict[str, Any], nbytes: int, reps: int, timeout_s: float,
         raise _peer_error(ctl, exc) from exc
     finally:
         if trace_dir:
-            trace.stop()
+            trace.stop(back_to=before)  # (a FATE_RDMA_TRACE of the user's own goes on)
         _stop(proc, ctl)
 
 
@@ -250,9 +251,9 @@ STEPS = (("queue", "c_send", "c_start"), ("post", "c_start", "c_first"), ("wire"
 SENDER_EVENTS = frozenset({"c_send", "c_start", "c_first", "c_done"})
 
 
-def steps(folder: str) -> Dict[str, Any]:
-    """Medians (ms) of STEPS over the messages traced in `folder` by the two processes of one ping-pong, and
-    how many messages were joined whole."""
+def steps(folder: str, skip: int = 0) -> Dict[str, Any]:
+    """Medians (ms) of STEPS over the messages traced in `folder` by the two processes of one ping-pong, leaving
+    out each sender's first `skip` (the warm-up), and how many messages were joined whole."""
     import glob
     import json
 
@@ -271,14 +272,16 @@ def steps(folder: str) -> Dict[str, Any]:
     for (path, sender, tid), side in by.items():
         if not sender:
             received.setdefault(tid, []).append((path, side))
-    spans: Dict[str, List[float]] = {name: [] for name, _, _ in STEPS}
-    joined = 0
+    whole: Dict[str, List[Dict[str, float]]] = {}  # per sender's file, its messages joined whole
     for (path, sender, tid), snd in by.items():
         rcv = next((v for p, v in received.get(tid, []) if p != path), None) if sender else None
-        if rcv is None:
-            continue
-        ev = {**snd, **rcv}
-        if all(a in ev and b in ev for _, a, b in STEPS):
+        ev = {**snd, **(rcv or {})}
+        if rcv is not None and all(a in ev and b in ev for _, a, b in STEPS):
+            whole.setdefault(path, []).append(ev)
+    spans: Dict[str, List[float]] = {name: [] for name, _, _ in STEPS}
+    joined = 0
+    for msgs in whole.values():
+        for ev in sorted(msgs, key=lambda m: m["c_send"])[skip:]:
             joined += 1
             for name, a, b in STEPS:
                 spans[name].append((ev[b] - ev[a]) * 1000)
@@ -305,7 +308,9 @@ def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str], out: 
                     traced = _channel(cfg, nbytes, min(args.reps, STEP_REPS), args.timeout_s, folder)
                     split = {"bench": "latency", "steps": True, "msg_bytes": nbytes, "method": mode,
                              "provider": traced["provider"], "path": traced["path"], "emulated": traced["emulated"],
-                             "traced_rtt_ms_median": traced["rtt_ms_median"], **steps(folder)}
+                             "traced_rtt_ms_median": traced["rtt_ms_median"], **steps(folder, skip=WARMUP)}
+                if mode == "fedrdma":  # its receiver checks each chunk as it lands: the checks are in `wire`
+                    split["verify_ms"] = None
                 emit(split, out)
                 split_rows.append(split)
     return rows
@@ -348,8 +353,8 @@ def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
     if split_rows:
         print(f"\nwhere a message's time goes (--steps: a traced pass of up to {STEP_REPS} round trips after each "
               f"row; medians in ms per message, both directions; tracing costs each event a few us)", flush=True)
-        for r in split_rows:
-            r["size"] = human_bytes(r["msg_bytes"])
-        table(split_rows, ["size", "method", "provider", "path", "emulated", "messages", "traced_rtt_ms_median",
+        shown = [{**{k: "-" if v is None else v for k, v in r.items()}, "size": human_bytes(r["msg_bytes"])}
+                 for r in split_rows]
+        table(shown, ["size", "method", "provider", "path", "emulated", "messages", "traced_rtt_ms_median",
                            *(f"{name}_ms" for name, _, _ in STEPS)], out)
     return 0

@@ -360,8 +360,9 @@ class Endpoint:
              fill: Optional[Fill] = None) -> TransferFuture:
         """Send `buffers` (bytes, memoryview, numpy array or a list of them) with `metadata` to `address`;
         with `fill`, buffers still being copied into (back to front): chunks go as their bytes are final."""
+        began = time.monotonic()  # (c_send is stamped with the call's start: before the engine can start it)
         fut = self.connect(address).send(buffers, metadata, fill)
-        trace.event("c_send", tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
+        trace.event("c_send", at=began, tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
         return fut
 
     def _inbox_put(self, msg: Message) -> None:

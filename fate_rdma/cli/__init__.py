@@ -1,7 +1,8 @@
 """The `fate-rdma` command: one subcommand per module.
 
 Exit codes: 0 success; 1 the command ran and failed (verification mismatch, transfer error);
-2 usage error (bad arguments); 130 interrupted (Ctrl-C, or SIGTERM for the commands that start jobs).
+2 usage error (bad arguments); 130 interrupted (Ctrl-C, or SIGTERM for the commands that start jobs; eval
+and wan report it themselves and exit 1).
 """
 from __future__ import annotations
 
@@ -47,13 +48,14 @@ def sigterm_as_interrupt() -> Iterator[None]:
         return
 
     def interrupted(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupted)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # (None: a handler installed from C, which Python cannot put back: the default then)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def build_parser() -> argparse.ArgumentParser:
