@@ -254,20 +254,12 @@ SENDER_EVENTS = frozenset({"c_send", "c_start", "c_first", "c_done"})
 def steps(folder: str, skip: int = 0) -> Dict[str, Any]:
     """Medians (ms) of STEPS over the messages traced in `folder` by the two processes of one ping-pong, leaving
     out each sender's first `skip` (the warm-up), and how many messages were joined whole."""
-    import glob
-    import json
+    from .timeline import load
 
-    by: Dict[Tuple[str, bool, Any], Dict[str, float]] = {}
-    for path in glob.glob(os.path.join(folder, "trace-*.jsonl")):
-        with open(path) as f:
-            for line in f:
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue  # (a line cut short)
-                if isinstance(e, dict) and e.get("tid") is not None and isinstance(e.get("t"), (int, float)):
-                    side = by.setdefault((path, e.get("ev") in SENDER_EVENTS, e["tid"]), {})
-                    side.setdefault(str(e.get("ev")), float(e["t"]))
+    by: Dict[Tuple[str, bool, Any], Dict[str, float]] = {}  # (file, sender's side, tid) -> event -> first time
+    for e in load(folder, with_file=True):
+        if e.get("tid") is not None:
+            by.setdefault((e["file"], e["ev"] in SENDER_EVENTS, e["tid"]), {}).setdefault(e["ev"], float(e["t"]))
     received: Dict[Any, List[Tuple[str, Dict[str, float]]]] = {}
     for (path, sender, tid), side in by.items():
         if not sender:
@@ -275,8 +267,10 @@ def steps(folder: str, skip: int = 0) -> Dict[str, Any]:
     whole: Dict[str, List[Dict[str, float]]] = {}  # per sender's file, its messages joined whole
     for (path, sender, tid), snd in by.items():
         rcv = next((v for p, v in received.get(tid, []) if p != path), None) if sender else None
-        ev = {**snd, **(rcv or {})}
-        if rcv is not None and all(a in ev and b in ev for _, a, b in STEPS):
+        if rcv is None:
+            continue
+        ev = {**snd, **rcv}
+        if all(a in ev and b in ev for _, a, b in STEPS):
             whole.setdefault(path, []).append(ev)
     spans: Dict[str, List[float]] = {name: [] for name, _, _ in STEPS}
     joined = 0
@@ -288,9 +282,11 @@ def steps(folder: str, skip: int = 0) -> Dict[str, Any]:
     return {"messages": joined, **{f"{k}_ms": round(float(np.median(v)), 3) if v else None for k, v in spans.items()}}
 
 
-def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str], out: Optional[Any],
-             split_rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    rows = []
+def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str],
+             out: Optional[Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """The rows, and (--steps) the split of each channel row's messages into steps."""
+    rows: List[Dict[str, Any]] = []
+    split_rows: List[Dict[str, Any]] = []
     for nbytes in sizes:
         raw = {"bench": "latency", "msg_bytes": nbytes, **_raw(nbytes, args.reps, args.timeout_s)}
         emit(raw, out)
@@ -313,7 +309,7 @@ def _measure(args: argparse.Namespace, sizes: List[int], modes: List[str], out: 
                     split["verify_ms"] = None
                 emit(split, out)
                 split_rows.append(split)
-    return rows
+    return rows, split_rows
 
 
 def _usage(why: str) -> int:
@@ -333,9 +329,8 @@ def run(args: argparse.Namespace, out: Optional[Any] = None) -> int:
         return _usage("give at least one message size (--sizes) and --reps >= 1")
     print(f"fate-rdma bench latency: sizes {', '.join(human_bytes(z) for z in sizes)}, {args.reps} round trips "
           f"after {WARMUP} warm-up, path {args.path}, load average {loadavg()}", flush=True)
-    split_rows: List[Dict[str, Any]] = []
     try:
-        rows = _measure(args, sizes, modes, out, split_rows)
+        rows, split_rows = _measure(args, sizes, modes, out)
     except (FateRdmaError, EasyVerbsError, RuntimeError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
         what = "" if isinstance(exc, _PeerFailed) else f"{type(exc).__name__}: "
         print(f"fate-rdma bench latency: {what}{exc}", file=sys.stderr)

@@ -41,9 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-bytes", type=int, default=0, help="leave out transfers smaller than this (default: none)")
 
 
-def load(folder: str) -> List[Dict[str, Any]]:
+def load(folder: str, with_file: bool = False) -> List[Dict[str, Any]]:
     """Every event of every trace file in `folder`, in time order (a line cut short by a killed process is
-    skipped)."""
+    skipped); `with_file`: each names its file under "file" (one per process)."""
     events = []
     for path in sorted(glob.glob(os.path.join(folder, "trace-*.jsonl"))):
         with open(path) as f:
@@ -53,6 +53,8 @@ def load(folder: str) -> List[Dict[str, Any]]:
                 except ValueError:
                     continue
                 if isinstance(e, dict) and isinstance(e.get("t"), (int, float)) and isinstance(e.get("ev"), str):
+                    if with_file:
+                        e["file"] = path
                     events.append(e)
     events.sort(key=lambda e: e["t"])
     return events

@@ -28,8 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Tuple
 
-from . import sigterm_as_interrupt
-
 LINK_STUDIES = """studies (--study, comma separated; one testbed, reshaped between links):
   chunks       TCP stream, gRPC stream, fedrdma / fedrdma-e at window 1 (the paper) and auto, Mooncake TE TCP
                (sync write; batch of chunk-sized writes) at each --chunks size: the paper's Table 2, scaled.
@@ -242,8 +240,7 @@ def run(args: argparse.Namespace) -> int:
         kw.update(prefix=args.prefix, timeout_s=args.timeout_s)
     removed = " (the testbed was removed)" if needs_testbed else ""
     try:
-        with sigterm_as_interrupt():  # SIGTERM as Ctrl-C, so the testbed is removed
-            runner(out_root=Path(args.out), **kw)
+        runner(out_root=Path(args.out), **kw)  # (SIGTERM arrives as Ctrl-C: fate_rdma.cli.main)
     except wan.WanError as exc:
         print(f"{name}: {exc}{removed}", file=sys.stderr)
         return 1

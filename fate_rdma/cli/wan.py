@@ -26,8 +26,6 @@ import json
 import sys
 from typing import Any, Dict, List
 
-from . import sigterm_as_interrupt
-
 EXIT_UNAVAILABLE = 3
 LINK_KEYS = {"rate_mbit", "delay_ms", "loss_pct", "reorder_pct", "gap_ms"}
 
@@ -135,11 +133,7 @@ def _print_status(st: Dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: `up` removes what it made, `check` stops its processes
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
+    """(SIGTERM arrives as Ctrl-C, fate_rdma.cli.main: `up` removes what it made, `check` stops its processes.)"""
     from .. import wan
 
     prefix = args.prefix
