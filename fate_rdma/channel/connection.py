@@ -7,7 +7,8 @@ frames and the notices of WRITE_WITH_IMM), so they never stall on a large SEND.
 The loop: take user requests (send, cancel, release, stop), start the next queued transfer when none
 is active (the protocol's policy picks its mode and window), let the active transfer's mode post what
 its machine allows, then dispatch completions and control frames, and check deadlines every 100 ms.
-All protocol state is touched by the engine thread only; user threads post requests to it.
+All protocol state is touched under one lock: by the engine thread, or by a user's thread whose send or
+release finds no turn running and takes it at once (one thread hand-off less a message).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachab
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
+from .completions import RECV_TAG, on_wc
 from .checksum import block_hasher, integrities, payload_checksum_async
-from .control import ControlSender, RttProbe, dispatch
-from .fedrdma import STAGING_BIT, StagedReceiver, StagedSender
+from .control import ControlSender, RttProbe
+from .fedrdma import StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .auth import Identity
 from .handshake import bootstrap_closed, confirm_posted, negotiate
@@ -39,9 +41,6 @@ from .posting import data_qp_cap, post_chunk, same_host_path
 from .transfer import Fill, Message, Payload, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
-
-RECV_TAG = 1 << 62  # wr_id bit of posted receives; wr_ids of sends count up from 1
-
 
 class Connection:
     def __init__(self, endpoint: Any, boot: ev.BootstrapConn, dialer: bool, identity: Identity) -> None:
@@ -70,8 +69,16 @@ class Connection:
         self._tids = itertools.count(2)  # (next() on it is atomic: user threads take ids without a lock)
         self._stop = False
         self.dead: Optional[BaseException] = None
+        # protocol state is touched only with this held: by the engine's thread, or by a user's thread that
+        # takes its own request at once (_request); `_failed`: what such a turn raised, for the engine to die of
+        self._turn_lock = threading.Lock()
+        self._failed: Optional[BaseException] = None
         self.control = ControlSender(self.mem, lambda: self.rcs[0].qp, lambda idx: self._wr_id(Wr.CTRL, None, 0, idx))  # type: ignore[arg-type]
         self.probe = RttProbe(self.control.send)
+        # the soft provider's NIC threads may handle their completions themselves (SoftCQ.on_arrival)
+        self._hooked = hasattr(self.cq, "on_arrival")
+        if self._hooked:
+            self.cq.on_arrival = self._on_arrival  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._run, name=f"fate-rdma-conn-{self.peer}", daemon=True)
         self._thread.start()
 
@@ -149,7 +156,27 @@ class Connection:
 
     def _request(self, kind: Request, arg: Any) -> None:
         self._requests.append((kind, arg))
-        self.cq.wake()
+        # a send or a release is taken in the caller's thread when no turn is running (no hand-off to the
+        # engine's thread, a few hundred us a message here); else the engine takes it on its next turn
+        if kind is Request.STOP or not self._turn_lock.acquire(blocking=False):
+            self.cq.wake()
+            self._if_dead()
+            return
+        try:
+            if self.dead is None and self._failed is None:
+                self._turn()
+        except BaseException as exc:  # the engine's thread fails the connection with it (as its own turn would)
+            self._failed = exc
+            self.cq.wake()
+            if not isinstance(exc, Exception):
+                raise  # (KeyboardInterrupt: the caller's too)
+        finally:
+            self._turn_lock.release()
+        self._if_dead()
+
+    def _if_dead(self) -> None:
+        if self.dead is not None:  # (died before the request was taken: fail it as _die failed the rest)
+            self._fail_requests(self.dead)
 
     def release_slot(self, slot: int) -> None:
         """A delivered FedRDMA-E message was released (any thread)."""
@@ -164,24 +191,58 @@ class Connection:
     def _run(self) -> None:
         last_tick = clock()
         try:
-            self.probe.start(clock())
+            with self._turn_lock:
+                self.probe.start(clock())
             while not self._stop:
-                with self.control.held():  # this turn's control frames leave with its WRITEs
-                    self._handle_requests()
-                    self._pump()
-                try:
-                    wcs = self.cq.wait(0.05, max_entries=64)
+                with self._turn_lock:
+                    self._turn()
+                try:  # (hooked: completions are taken with the lock held only, so that they are handled in order)
+                    wcs = self.cq.wait(0.05, max_entries=0 if self._hooked else 64)
                 except ev.PollTimeout:
                     wcs = []
-                for wc in wcs:
-                    self._on_wc(wc)
-                now = clock()
-                if now - last_tick > 0.1:
-                    last_tick = now
-                    self._tick(now)
-            self._die(PeerUnreachable(f"connection to {self.peer} closed"), quiet=True)
+                with self._turn_lock:
+                    if self._failed is not None:
+                        raise self._failed
+                    if self._hooked:
+                        wcs = self.cq.poll(64)
+                    for wc in wcs:
+                        on_wc(self, wc)
+                    now = clock()
+                    if now - last_tick > 0.1:
+                        last_tick = now
+                        self._tick(now)
+            with self._turn_lock:
+                self._die(PeerUnreachable(f"connection to {self.peer} closed"), quiet=True)
         except BaseException as exc:  # the engine must never die silently
-            self._die(exc)
+            with self._turn_lock:
+                self._die(exc)
+
+    def _on_arrival(self) -> bool:
+        """SoftCQ.on_arrival: the NIC's thread that queued completions handles them, unless a turn is running
+        (whose thread takes them next); False wakes the engine."""
+        if not self._turn_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.dead is not None or self._failed is not None:
+                return False
+            wcs = self.cq.poll(64)
+            while wcs:
+                for wc in wcs:
+                    on_wc(self, wc)
+                wcs = self.cq.poll(64)
+            self._turn()
+            return True
+        except BaseException as exc:  # (the engine's thread dies of it)
+            self._failed = exc
+            return False
+        finally:
+            self._turn_lock.release()
+
+    def _turn(self) -> None:
+        """Take the requests and post what the active transfer allows (with `_turn_lock` held)."""
+        with self.control.held():  # this turn's control frames leave with its WRITEs
+            self._handle_requests()
+            self._pump()
 
     def _handle_requests(self) -> None:
         while self._requests:
@@ -293,28 +354,6 @@ class Connection:
         qp.post_write_with_imm(sge, remote, imm, remote_offset=roff, wr_id=self._wr_id(Wr.HEADER, o, seq, idx))
 
     # -- completions ----------------------------------------------------------------------------
-    def _on_wc(self, wc: ev.WC) -> None:
-        if wc.wr_id & RECV_TAG:
-            self._on_recv(wc)
-            return
-        entry = self._wrs.pop(wc.wr_id, None)
-        if not wc.ok:
-            why = f" ({wc.reason})" if getattr(wc, "reason", "") else ""
-            raise PeerUnreachable(f"connection to {self.peer} failed: work completion {wc.status.name}{why}")
-        if entry is None:
-            return
-        kind, o, seq, extra = entry
-        if kind is Wr.CTRL:
-            self.control.on_complete(extra)
-            return
-        if kind is Wr.HEADER:
-            self.mem.hdr_free.append(extra)  # type: ignore[union-attr]
-        o.pending_wrs -= 1
-        if o.error is not None:
-            self._maybe_finish_failed(o)
-        elif o.mode is Mode.FEDRDMA_E:
-            self.slot_sender.on_write_complete(o, seq)  # type: ignore[union-attr]
-
     def unset_active(self, o: Outgoing) -> None:
         if self._active is o:
             self._active = None
@@ -353,30 +392,6 @@ class Connection:
         o.payload.close()
         if not o.fut.done():
             o.fut.set_exception(o.error)
-
-    def _on_recv(self, wc: ev.WC) -> None:
-        qp_idx, k = (wc.wr_id >> 20) & 0xFF, wc.wr_id & 0xFFFFF
-        if not wc.ok:
-            why = f" ({wc.reason})" if getattr(wc, "reason", "") else ""
-            raise PeerUnreachable(f"connection to {self.peer} failed: receive completed with {wc.status.name}{why}")
-        if wc.opcode == ev.WCOpcode.RECV_RDMA_WITH_IMM:
-            imm = wc.imm_data or 0
-            self._post_recv(qp_idx, k)
-            if imm & STAGING_BIT:
-                if self.staged_receiver is None:
-                    raise RemoteProtocolError(f"{self.peer} wrote a FedRDMA chunk; this side offered no staging buffers")
-                self.staged_receiver.on_chunk(imm & ~STAGING_BIT)
-            else:
-                if self.slot_receiver is None:
-                    raise RemoteProtocolError(f"{self.peer} wrote a FedRDMA-E slot; this side offered no receive pool")
-                self.slot_receiver.on_write_imm(imm)
-            return
-        raw = self.mem.received(qp_idx, k, wc.byte_len)  # type: ignore[union-attr]
-        self._post_recv(qp_idx, k)
-        self._on_ctrl(P.decode_ctrl(raw))
-
-    def _on_ctrl(self, c: P.Ctrl) -> None:
-        dispatch(self, c, self._active)
 
     # -- receive side helpers (called by the modes) ---------------------------------------------
     def refuse(self, tid: int, code: ErrorCode, reason: str) -> None:
@@ -429,15 +444,19 @@ class Connection:
         self._active, self._outq, self._draining = None, collections.deque(), []
         if self.slot_sender is not None:
             self.slot_sender.placed.clear()
-        while self._requests:
-            kind, arg = self._requests.popleft()
-            if kind is Request.SEND:
-                arg.payload.close()
-                arg.fut.set_exception(err)
+        self._fail_requests(err)
         if self.staged_receiver is not None:
             self.staged_receiver.clear()
         self._release_resources()
         self.endpoint._forget(self)
+
+    def _fail_requests(self, err: BaseException) -> None:
+        while self._requests:
+            kind, arg = self._requests.popleft()
+            if kind is Request.SEND:
+                arg.payload.close()
+                if not arg.fut.done():
+                    arg.fut.set_exception(err)
 
     def _release_resources(self) -> None:
         for rc in self.rcs:

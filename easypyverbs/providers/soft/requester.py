@@ -418,9 +418,13 @@ class Requester:
         if status != WCStatus.SUCCESS:
             self._err_seen = True
         why = "" if status == WCStatus.SUCCESS else f"the peer answered {status.name}"
-        cq, qpn = self.send_cq, self.qpn
+        cq, qpn, ok = self.send_cq, self.qpn, status == WCStatus.SUCCESS
+        pushed = False
         for wr in wrs:
-            if status != WCStatus.SUCCESS or wr.signaled:
-                cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, qpn, reason=why))  # type: ignore[attr-defined]
+            if not ok or wr.signaled:
+                cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, qpn, reason=why), defer=ok)  # type: ignore[attr-defined]
+                pushed = True
+        if ok and pushed:
+            cq.arrived()  # type: ignore[attr-defined]
         if status != WCStatus.SUCCESS:
             self._enter_error(WCStatus.WR_FLUSH_ERR, f"wr {wrs[-1].wr_id} failed with {status.name}")

@@ -285,7 +285,8 @@ class Responder:
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
         if self._may_coalesce(rd, due, length):  # (a control frame, say, posted in one batch with a WRITE)
-            self.recv_cq.push(wc)  # type: ignore[attr-defined]
+            self.recv_cq.push(wc, defer=True)  # type: ignore[attr-defined]
+            self.recv_cq.arrived()  # type: ignore[attr-defined]
             return
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
@@ -317,7 +318,7 @@ class Responder:
             if then_error:
                 self._err_seen = True
             if wc is not None:
-                self.recv_cq.push(wc)  # type: ignore[attr-defined]
+                self.recv_cq.push(wc, defer=not then_error)  # type: ignore[attr-defined]
             try:
                 with self._resp_lock:
                     n = payload.nbytes if payload is not None else 0
@@ -325,6 +326,8 @@ class Responder:
                                       + ([payload] if payload is not None else []))
             except OSError:
                 pass  # the requester notices the lost connection itself
+            if wc is not None and not then_error:
+                self.recv_cq.arrived()  # type: ignore[attr-defined]  (its consumer's work after the answer has left)
             if then_error:
                 self._enter_error(WCStatus.WR_FLUSH_ERR, why or f"receive failed with {wc.status.name if wc else status.name}")
 
