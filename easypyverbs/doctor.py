@@ -20,7 +20,7 @@ def report() -> Dict[str, Any]:
         "devices": [],
         "soft": {"available": True, "label": SOFT_LABEL, "emulated": True,
                  "link_model_env": os.environ.get("EASYPYVERBS_SOFT_LINK", ""),
-                 "same_host_path": _same_host(), "write_digests": True},
+                 "same_host_path": _same_host(), "write_digests": True, "deferred_answers": _deferred_answers()},
     }
     for name in devices:
         try:
@@ -94,8 +94,19 @@ def render(rep: Dict[str, Any]) -> str:
                      f"{'on' if sh.get('push') else 'off'}; EASYPYVERBS_SOFT_PUSH=off turns it off")
     lines.append("              WRITEs into tracked MRs digested as they land (MR.track_writes: fate-rdma's "
                  "receive slots check crc32c/xxh3 with no second pass over all but the short last block)")
+    from .providers.soft.responder import DEFERRED_ACK_S
+
+    lines.append(f"              deferred answers (a control frame's transport answer rides a later one's, or waits up "
+                 f"to {DEFERRED_ACK_S * 1e3:g} ms): {'on' if s['deferred_answers'] else 'off'}; "
+                 f"EASYPYVERBS_SOFT_DEFER_ACK=off turns them off")
     lines.append(f"  auto picks  {rep['auto']['provider']}: {rep['auto']['reason']}")
     return "\n".join(lines)
+
+
+def _deferred_answers() -> bool:
+    from .providers.soft import wire
+
+    return wire.defer_ack_enabled()
 
 
 def _same_host() -> Dict[str, Any]:

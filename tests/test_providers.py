@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -61,6 +62,10 @@ def test_doctor_json():
     assert out.returncode == 0, out.stderr[-2000:]
     rep = json.loads(out.stdout)
     assert rep["soft"]["emulated"] is True and rep["auto"]["provider"] in ("soft", "pyverbs")
+    assert rep["soft"]["deferred_answers"] is True
+    off = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "doctor"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, EASYPYVERBS_SOFT_DEFER_ACK="off"))
+    assert "deferred answers" in off.stdout and "ms): off" in off.stdout, off.stdout[-2000:]
 
 
 def test_cli_help_and_usage_errors():

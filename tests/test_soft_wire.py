@@ -6,6 +6,7 @@ import dataclasses
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -384,5 +385,70 @@ def test_a_batch_of_small_wrs_leaves_in_one_write_and_is_answered_once(monkeypat
             a.qp._enter_error(ev.WCStatus.WR_FLUSH_ERR, "test: the QP fails while a batch is open")
         (wc,) = a.cq.wait_n(1, 10)
         assert wc.wr_id == 40 and wc.status == ev.WCStatus.WR_FLUSH_ERR
+    finally:
+        close_pair([a, b])
+
+
+def _outstanding_drains(qp, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while qp._outstanding and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return qp._outstanding == 0
+
+
+def test_unsignaled_requests_are_answered_with_a_later_one_or_after_a_while(monkeypatch):
+    """Deferred answers (wire.py): SENDs whose completion nobody waits for carry OP_NO_ACK, and their
+    responder answers them with the next request's answer (cumulative) rather than one each; a lone one is
+    answered once DEFERRED_ACK_S has passed with nothing after it, so the requester's send queue drains
+    (QP.close waits for that) and no WR stays in flight; the signaled one completes at once, as before."""
+    answers = _spy_answers(monkeypatch)
+    a, b = make_pair("soft-tcp", size=1 << 16, cap=ev.QPCap(max_send_wr=16, max_recv_wr=16))
+    try:
+        assert a.qp._defer_ack and b.qp._defer_ok  # (taken in the HELLO exchange, both ways)
+        for k in range(4):
+            b.qp.post_recv(b.mr.sge(k * 64, 64), wr_id=k)
+        monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 30.0)  # nothing answered for waiting here
+        a.qp.post_send(a.mr.sge(0, 10), wr_id=1, signaled=False)
+        a.qp.post_send(a.mr.sge(0, 20), wr_id=2, signaled=False)
+        assert [wc.byte_len for wc in b.cq.wait_n(2, 10)] == [10, 20]
+        assert answers == [] and a.qp._outstanding == 2
+        a.qp.post_send(a.mr.sge(0, 30), wr_id=3)  # signaled: answered at once, for all three
+        assert [wc.wr_id for wc in a.cq.wait_n(1, 10)] == [3] and b.cq.wait_n(1, 10)[0].byte_len == 30
+        assert answers == [wire.ACK] and _outstanding_drains(a.qp)
+        monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 0.01)
+        a.qp.post_send(a.mr.sge(0, 40), wr_id=4, signaled=False)  # lone: answered once the window passed
+        assert b.cq.wait_n(1, 10)[0].byte_len == 40
+        assert _outstanding_drains(a.qp) and answers == [wire.ACK, wire.ACK]
+        assert a.cq.poll() == []  # (unsignaled: no completion)
+    finally:
+        close_pair([a, b])
+
+
+@pytest.mark.parametrize("case", ["switched off", "tls", "link model"])
+def test_answers_are_not_deferred_when_switched_off_or_under_tls_or_a_link_model(monkeypatch, case):
+    if case == "switched off":
+        monkeypatch.setenv("EASYPYVERBS_SOFT_DEFER_ACK", "off")
+    a, b = make_pair("soft-tls" if case == "tls" else "soft-tcp", **({"link": "rtt=2ms"} if case == "link model" else {}))
+    try:
+        assert not a.qp._defer_ack and not b.qp._defer_ok and not b.qp._defer_ack
+        b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
+        a.qp.post_send(a.mr.sge(0, 10), wr_id=1, signaled=False)
+        assert b.cq.wait_n(1, 10)[0].ok and _outstanding_drains(a.qp)
+    finally:
+        close_pair([a, b])
+
+
+def test_a_request_that_defers_its_answer_unasked_is_a_protocol_violation(monkeypatch):
+    """OP_NO_ACK from a requester whose responder did not take deferred answers in the HELLO: the responder
+    fails its QP, naming the violation, rather than leaving the requester without its answer."""
+    monkeypatch.setenv("EASYPYVERBS_SOFT_DEFER_ACK", "off")
+    a, b = make_pair("soft-tcp")
+    try:
+        a.qp._defer_ack = True  # (a requester that ignores what the HELLO settled)
+        b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
+        a.qp.post_send(a.mr.sge(0, 10), wr_id=7, signaled=False)
+        wcs = b.cq.wait_n(1, 10)
+        assert wcs[0].status == ev.WCStatus.WR_FLUSH_ERR and "protocol violation" in wcs[0].reason
+        assert b.qp.state == ev.QPState.ERR
     finally:
         close_pair([a, b])

@@ -182,10 +182,14 @@ class SoftContext(Context):
                 pull_pid = pid  # the requester's memory is readable from here: take its bytes directly
             # (not within one process: its requester would decline a push into its own memory)
             push = bool(pull_pid and pull_pid != os.getpid() and flags & wire.FLAG_PUSH and shm.push_enabled())
+            # answers deferred (wire.py): a plain socket, answers not delayed by a link model
+            defer = bool(flags & wire.FLAG_DEFER_ACK and self.tls is None and fwd_delay_us == 0 and self.link is None
+                         and wire.defer_ack_enabled())
             if status == wire.HELLO_OK and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6,  # type: ignore[union-attr]
-                                                                   pull_pid, push):
+                                                                   pull_pid, push, defer):
                 status = wire.HELLO_BUSY
             reply_flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if push else 0)) if pull_pid and status == wire.HELLO_OK else 0
+            reply_flags |= wire.FLAG_DEFER_ACK if defer and status == wire.HELLO_OK else 0
             sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status, reply_flags))
             if status != wire.HELLO_OK:
                 sock.close()

@@ -105,6 +105,9 @@ class SoftQP(Requester, Responder, QP):
         self._push_psn: Optional[int] = None  # requester: the WRITE whose PUSH_AT the send thread waits for
         self._push_at: Optional[Tuple[int, ...]] = None  # requester: that PUSH_AT's body, once it came
         self._push_ok = False  # responder: the requester may copy large WRITEs into our shared memory
+        self._defer_ack = False  # requester: requests no completion waits for may be answered later (wire.py)
+        self._defer_ok = False  # responder: ... and we may answer them later
+        self._owed_psn: Optional[int] = None  # responder: the last request placed and not answered yet
         self._no_push_rkeys: Set[int] = set()  # requester: rkeys the responder answered "no push here" for
 
     # -- connection -----------------------------------------------------------------------------
@@ -146,6 +149,8 @@ class SoftQP(Requester, Responder, QP):
             offer = self.ctx.same_host and self.ctx.link is None  # type: ignore[attr-defined]
             self._probe = samehost.Probe() if offer else None
             flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if shm.push_enabled() else 0)) if offer else 0
+            if tls is None and self.ctx.link is None and wire.defer_ack_enabled():  # type: ignore[attr-defined]
+                flags |= wire.FLAG_DEFER_ACK
             sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, flags,
                                          self.qpn, remote.qpn, self.psn, int(link.delay_s * 1e6), token,
                                          os.getpid(), self._probe.addr if self._probe else 0,
@@ -163,6 +168,7 @@ class SoftQP(Requester, Responder, QP):
             raise EasyVerbsError(f"soft QP {self.qpn}: peer {remote.gid} refused QP {remote.qpn}: {why}")
         wire.set_kernel_timeouts(sock, self.ctx.retry_timeout_s)  # type: ignore[attr-defined]
         self._pull = bool(flags & wire.FLAG_SAME_HOST)
+        self._defer_ack = bool(flags & wire.FLAG_DEFER_ACK)
         self._push = self._pull and bool(flags & wire.FLAG_PUSH) and self._probe is not None
         self._probe = None
         with self._cv:
@@ -184,14 +190,15 @@ class SoftQP(Requester, Responder, QP):
         return "tcp+tls" if tls else "tcp"
 
     def attach_responder(self, sock: Any, src_qpn: int, psn: int, fwd_delay_s: float,
-                         pull_pid: int = 0, push: bool = False) -> bool:
+                         pull_pid: int = 0, push: bool = False, defer_ack: bool = False) -> bool:
         """Called by the NIC when the peer's requester dials this QP (`pull_pid`: same-host path; `push`: it
-        may copy large WRITEs into our shared memory itself)."""
+        may copy large WRITEs into our shared memory itself; `defer_ack`: its requests may carry OP_NO_ACK)."""
         with self._cv:
             if self._closing or self._resp_sock is not None or self._st == QPState.ERR:
                 return False
             self._pull_pid = pull_pid
             self._push_ok = bool(pull_pid and push)
+            self._defer_ok = defer_ack
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._resp_sock = sock

@@ -54,11 +54,11 @@ NO_PUSH_RKEYS = 4096
 
 
 class _WR:
-    __slots__ = ("wr_id", "op", "sges", "raddr", "rkey", "imm", "signaled", "psn", "length")
+    __slots__ = ("wr_id", "op", "sges", "raddr", "rkey", "imm", "signaled", "psn", "length", "no_ack")
 
     def __init__(self, wr_id: int, op: str, sges: List[SGE], raddr: int, rkey: int, imm: Optional[int], signaled: bool) -> None:
         self.wr_id, self.op, self.sges, self.raddr, self.rkey = wr_id, op, sges, raddr, rkey
-        self.imm, self.signaled, self.psn = imm, signaled, 0
+        self.imm, self.signaled, self.psn, self.no_ack = imm, signaled, 0, False
         self.length = sum(s.length for s in sges)
 
 
@@ -160,6 +160,10 @@ class Requester:
         for wr in batch:
             wr.psn = self._next_psn
             self._next_psn = (self._next_psn + 1) & PSN_MASK
+            # its answer may wait (wire.py, deferred answers) if no completion does, and few others await theirs
+            # (so the posting thread still writes a lone message itself: _may_ring)
+            wr.no_ack = (self._defer_ack and not wr.signaled and wr.op != "read" and not self._pushes(wr)
+                         and len(self._inflight) < DOORBELL_INFLIGHT - 1)
             self._inflight.append(wr)
 
     def _frame(self, batch: List[_WR]) -> Tuple[List[memoryview], Optional[str], float]:
@@ -173,7 +177,7 @@ class Requester:
                 views = [] if wr.op == "read" else [s.view() for s in wr.sges]
             except UsageError as exc:  # MR deregistered after posting
                 return bufs, f"wr {wr.wr_id}: {exc}", free_at
-            opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0)
+            opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0) | (wire.OP_NO_ACK if wr.no_ack else 0)
             if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
                 opcode |= wire.OP_PULL | (wire.OP_PUSH if self._pushes(wr) else 0)
                 spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]

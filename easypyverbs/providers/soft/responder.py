@@ -30,6 +30,16 @@ from .link import DelayLine
 ACK_EVERY_BYTES = 1 << 20
 #: and at least once per this many requests (a stream of small SENDs: signaled completions in step)
 ACK_EVERY_REQUESTS = 16
+#: a request whose answer may wait (OP_NO_ACK, wire.py) is answered this long after it was placed at the latest
+#: (or with the next request's answer, before): a connection's lone control frames cost no answer each
+DEFERRED_ACK_S = 0.005
+
+
+def _readable(sock: Any, timeout_s: float) -> bool:
+    """Does `sock` have bytes to read (or its end) within `timeout_s`?"""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(timeout_s * 1000))
 PSN_MASK = 0xFFFFFF
 log = logging.getLogger("easypyverbs.soft")
 _OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
@@ -87,15 +97,18 @@ class Responder:
         expected = psn
         while True:
             try:
+                if self._owed_psn is not None:
+                    self._answer_owed(rd)
                 if self._regions is not None:
                     self._await_request(rd, self._regions)
                 rd.read_into(hdr)
                 magic, version, opcode, psn, length, raddr, rkey, imm, due_us = wire.REQ.unpack(hdr)
                 due = time.monotonic() + due_us / 1e6 + fwd_delay_s
                 op, has_imm, pull = opcode & wire.OP_MASK, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
-                push = bool(opcode & wire.OP_PUSH)
+                push, no_ack = bool(opcode & wire.OP_PUSH), bool(opcode & wire.OP_NO_ACK)
                 if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected \
-                        or (pull and (not self._pull_pid or op == wire.OP_READ)) or (push and (not pull or op != wire.OP_WRITE)):
+                        or (pull and (not self._pull_pid or op == wire.OP_READ)) or (push and (not pull or op != wire.OP_WRITE)) \
+                        or (no_ack and (not self._defer_ok or op == wire.OP_READ or push)):
                     self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
                     return
                 expected = (expected + 1) & PSN_MASK
@@ -104,7 +117,7 @@ class Responder:
                     self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
                     return
                 self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, pulled,
-                            push and self._push_ok)
+                            push and self._push_ok, no_ack)
             except (OSError, wire.PeerClosed) as exc:
                 with self._cv:
                     acks_pending = bool(self._inflight)
@@ -123,6 +136,13 @@ class Responder:
                 log.exception("soft QP %d responder failed", self.qpn)  # type: ignore[attr-defined]
                 self._enter_error(WCStatus.WR_FLUSH_ERR, f"responder failed: {type(exc).__name__}: {exc}")
                 return
+
+    def _answer_owed(self, rd: wire.Reader) -> None:
+        """Deferred answers (wire.py): unless a next request arrives within DEFERRED_ACK_S (whose answer, or a
+        later one, acknowledges the requests before it), answer the last request placed now."""
+        if rd.buffered() or _readable(rd.sock, DEFERRED_ACK_S):
+            return
+        self._answer(rd.sock, 0.0, wire.ACK, self._owed_psn, WCStatus.SUCCESS)  # type: ignore[arg-type]
 
     @staticmethod
     def _await_request(rd: wire.Reader, regions: shm.PeerRegions) -> None:
@@ -224,7 +244,7 @@ class Responder:
         return True
 
     def _serve(self, rd: wire.Reader, op: int, has_imm: bool, psn: int, length: int, raddr: int, rkey: int,
-               imm: int, due: float, pulled: Optional[Pulled] = None, push: bool = False) -> None:
+               imm: int, due: float, pulled: Optional[Pulled] = None, push: bool = False, no_ack: bool = False) -> None:
         sock = rd.sock  # answers go out on it; every byte in comes through `rd`
         if op == wire.OP_READ:
             view = self._lookup(rkey, raddr, length, Access.REMOTE_READ)
@@ -259,8 +279,8 @@ class Responder:
                     return
             finally:
                 mr.end_remote()
-            if recv is None and self._may_coalesce(rd, due, length):
-                return  # the next request is already arriving: its answer acknowledges this one too
+            if recv is None and self._may_coalesce(rd, due, length, psn, no_ack):
+                return  # the next request is already arriving (or its answer may wait): a later one acknowledges it
             wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
             self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
             return
@@ -284,22 +304,24 @@ class Responder:
         if not self._place(rd, pulled, targets, due, psn):
             return
         wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
-        if self._may_coalesce(rd, due, length):  # (a control frame, say, posted in one batch with a WRITE)
+        if self._may_coalesce(rd, due, length, psn, no_ack):  # (a control frame: a batch's, or one whose answer may wait)
             self.recv_cq.push(wc, defer=True)  # type: ignore[attr-defined]
             self.recv_cq.arrived()  # type: ignore[attr-defined]
             return
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
-    def _may_coalesce(self, rd: wire.Reader, due: float, length: int) -> bool:
+    def _may_coalesce(self, rd: wire.Reader, due: float, length: int, psn: int, no_ack: bool = False) -> bool:
         """May the answer to a request just placed in full wait for the next one's (one cumulative ACK, as on
-        an RC link)? Yes if that request is already arriving, no delay line holds answers back, and fewer
+        an RC link)? Yes if that request is already arriving or this one's answer may wait (`no_ack`, wire.py:
+        answered within DEFERRED_ACK_S then, _answer_owed), no delay line holds answers back, and fewer
         than ACK_EVERY_BYTES and ACK_EVERY_REQUESTS have gone unanswered. A WRITE_WITH_IMM is always
         answered at once: its completion is the requester's news that a message is placed, which must not
         wait for the next message's first chunk."""
         if (self._resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
-                and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS and rd.more_pending()):
+                and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS and (no_ack or rd.more_pending())):
             self._unacked_bytes += length
             self._unacked_reqs += 1
+            self._owed_psn = psn
             return True
         return False
 
@@ -314,6 +336,7 @@ class Responder:
                 wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False,
                 why: str = "") -> None:
         self._unacked_bytes = self._unacked_reqs = 0  # every answer acknowledges the requests before it too
+        self._owed_psn = None
         def deliver() -> None:
             if then_error:
                 self._err_seen = True

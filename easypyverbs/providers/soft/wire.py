@@ -33,6 +33,13 @@ each piece sends PLACED (a REQ with opcode OP_PLACED, the WRITE's psn, and the l
 so far, growing to the WRITE's length; a first PLACED of 0: declined, read it yourself). The responder reads
 nothing else meanwhile, digests each piece as its note comes, and answers the WRITE as usual.
 
+Deferred answers (HELLO flag bit 2, offered by the requester, echoed by the responder that takes it; never under
+TLS or a link model): a SEND or WRITE whose completion nobody waits for (unsignaled, with at most one other
+request awaiting its answer) carries opcode bit 0x10. Its responder need not answer it at once: the answer of
+a later request acknowledges it (ACKs are cumulative), and one that would not come within DEFERRED_ACK_S
+(responder.py) is sent then, for the last request placed. So a lone control frame costs no answer on the wire
+and no wake-up of the requester's ACK thread. Errors (NAKs) are answered at once as always.
+
 REQ (requester -> responder), `!HBBIQQIIQ`, 40 bytes, then `length` payload bytes for SEND/WRITE:
     magic u16 0x5352 ("SR"), version u8, opcode u8, psn u32, length u64, remote_addr u64, rkey u32,
     imm u32, due_us u64 (link model: microseconds after this header that the message is complete)
@@ -43,6 +50,7 @@ RESP (responder -> requester), `!HBBIIQ`, 20 bytes, then `length` bytes for a RE
 """
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from typing import Any, List, Sequence
@@ -59,6 +67,7 @@ PULL_REGION = struct.Struct("!IQQQ")
 PULL_HAS_REGION = 0x80000000
 FLAG_SAME_HOST = 1
 FLAG_PUSH = 2
+FLAG_DEFER_ACK = 4  # requests may carry OP_NO_ACK (offered by the requester, taken by the responder)
 PUSH_AT_BODY = struct.Struct("!IQQQI")
 HELLO_MAGIC = b"SVRB"
 REQ = struct.Struct("!HBBIQQIIQ")
@@ -70,11 +79,19 @@ OP_SEND, OP_WRITE, OP_READ = 1, 2, 3
 OP_HAS_IMM = 0x80
 OP_PULL = 0x40  # same-host path: the payload is read from the requester's memory
 OP_PUSH = 0x20  # ... or, for a WRITE into a shared region of the responder, copied in by the requester
-OP_MASK = 0x1F
+OP_NO_ACK = 0x10  # no completion waits for this request's answer: it may come later, cumulative (FLAG_DEFER_ACK)
+OP_MASK = 0x0F
 OP_PLACED = 5  # requester -> responder after PUSH_AT: the payload is in place (length), or not (0)
 ACK, NAK, READ_RESP, PUSH_AT = 1, 2, 3, 4
 HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN, HELLO_TLS_REQUIRED = 0, 1, 2, 3, 4
 TOKEN_BYTES = 16
+
+
+def defer_ack_enabled() -> bool:
+    """May requests whose answer no completion waits for be answered later (OP_NO_ACK)? Unless
+    EASYPYVERBS_SOFT_DEFER_ACK is off (each side offers or takes it in the HELLO exchange)."""
+    switch = os.environ.get("EASYPYVERBS_SOFT_DEFER_ACK", "on").strip().lower()
+    return switch not in ("off", "0", "no", "false")
 
 
 def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
