@@ -416,9 +416,12 @@ def test_unsignaled_requests_are_answered_with_a_later_one_or_after_a_while(monk
         assert [wc.wr_id for wc in a.cq.wait_n(1, 10)] == [3] and b.cq.wait_n(1, 10)[0].byte_len == 30
         assert answers == [wire.ACK] and _outstanding_drains(a.qp)
         monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 0.01)
+        real_owed = qpmod.SoftQP._send_owed
+        monkeypatch.setattr(qpmod.SoftQP, "_send_owed",
+                            lambda self: (answers.append("owed") if self._owed_psn is not None else None, real_owed(self)))
         a.qp.post_send(a.mr.sge(0, 40), wr_id=4, signaled=False)  # lone: answered once the window passed
         assert b.cq.wait_n(1, 10)[0].byte_len == 40
-        assert _outstanding_drains(a.qp) and answers == [wire.ACK, wire.ACK]
+        assert _outstanding_drains(a.qp) and answers == [wire.ACK, "owed"]
         assert a.cq.poll() == []  # (unsignaled: no completion)
     finally:
         close_pair([a, b])
@@ -450,5 +453,40 @@ def test_a_request_that_defers_its_answer_unasked_is_a_protocol_violation(monkey
         wcs = b.cq.wait_n(1, 10)
         assert wcs[0].status == ev.WCStatus.WR_FLUSH_ERR and "protocol violation" in wcs[0].reason
         assert b.qp.state == ev.QPState.ERR
+    finally:
+        close_pair([a, b])
+
+
+def test_an_answer_still_owed_when_the_responder_closes_is_sent_first(monkeypatch):
+    """A deferred answer owed when the responder's QP closes goes out before its sockets do: the requester's
+    WR, placed, completes as such, not as failed by the closed connection (an error completion for it)."""
+    monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 30.0)
+    a, b = make_pair("soft-tcp")
+    try:
+        b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
+        a.qp.post_send(a.mr.sge(0, 10), wr_id=9, signaled=False)
+        assert b.cq.wait_n(1, 10)[0].ok and a.qp._outstanding == 1  # placed, its answer owed
+        b.qp.close()
+        assert _outstanding_drains(a.qp)
+        time.sleep(0.2)  # (the closed connection, seen by the requester after the answer)
+        assert [wc for wc in a.cq.poll(16) if wc.wr_id == 9] == []
+    finally:
+        close_pair([a, b])
+
+
+def test_a_signaled_request_answered_with_the_next_is_not_held_by_its_deferral(monkeypatch):
+    """A signaled WRITE whose answer waits for the next request's (that one already arriving), followed by a
+    SEND whose answer may wait: the SEND is answered at once, so the WRITE's completion does not wait for a
+    deferred answer's timer."""
+    monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 30.0)
+    answers = _spy_answers(monkeypatch)
+    a, b = make_pair("soft-tcp", size=1 << 16)
+    try:
+        b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
+        with a.qp.batch():  # one write: the SEND's bytes are there when the WRITE is placed
+            a.qp.post_write(a.mr.sge(0, 4096), b.mr.remote(), remote_offset=8192, wr_id=5)
+            a.qp.post_send(a.mr.sge(0, 10), wr_id=6, signaled=False)
+        assert [wc.wr_id for wc in a.cq.wait_n(1, 10)] == [5] and answers == [wire.ACK]
+        assert b.cq.wait_n(1, 10)[0].ok and _outstanding_drains(a.qp)
     finally:
         close_pair([a, b])

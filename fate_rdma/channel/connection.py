@@ -7,8 +7,10 @@ frames and the notices of WRITE_WITH_IMM), so they never stall on a large SEND.
 The loop: take user requests (send, cancel, release, stop), start the next queued transfer when none
 is active (the protocol's policy picks its mode and window), let the active transfer's mode post what
 its machine allows, then dispatch completions and control frames, and check deadlines every 100 ms.
-All protocol state is touched under one lock: by the engine thread, or by a user's thread whose send or
-release finds no turn running and takes it at once (one thread hand-off less a message).
+All protocol state is touched under one lock: by the engine thread; by a user's thread whose send, release
+or cancel finds no turn running and takes it at once; and, on the soft provider, by the emulated NIC's thread
+that queued completions, which handles them there (SoftCQ.on_arrival): one thread hand-off less each. So a
+future's callbacks may run in any of these threads.
 """
 from __future__ import annotations
 
@@ -39,10 +41,11 @@ from .layout import RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
 from .posting import data_qp_cap, post_chunk, same_host_path
 from .transfer import Fill, Message, Payload, TransferFuture
+from .turns import Turns
 
 log = logging.getLogger("fate_rdma.channel")
 
-class Connection:
+class Connection(Turns):
     def __init__(self, endpoint: Any, boot: ev.BootstrapConn, dialer: bool, identity: Identity) -> None:
         """`identity`: who the peer proved to be on `boot` (auth.authenticate ran first)."""
         self.endpoint = endpoint
@@ -69,10 +72,12 @@ class Connection:
         self._tids = itertools.count(2)  # (next() on it is atomic: user threads take ids without a lock)
         self._stop = False
         self.dead: Optional[BaseException] = None
-        # protocol state is touched only with this held: by the engine's thread, or by a user's thread that
-        # takes its own request at once (_request); `_failed`: what such a turn raised, for the engine to die of
+        # protocol state is touched only with this held: by the engine's thread, a user's thread that takes its
+        # own request at once (_request), a soft NIC's thread (_on_arrival); `_failed`: what a borrowed turn
+        # raised, for the engine to die of
         self._turn_lock = threading.Lock()
         self._failed: Optional[BaseException] = None
+        self._dead_err: Optional[BaseException] = None  # what requests that come after _die are failed with
         self.control = ControlSender(self.mem, lambda: self.rcs[0].qp, lambda idx: self._wr_id(Wr.CTRL, None, 0, idx))  # type: ignore[arg-type]
         self.probe = RttProbe(self.control.send)
         # the soft provider's NIC threads may handle their completions themselves (SoftCQ.on_arrival)
@@ -154,30 +159,6 @@ class Connection:
         self._request(Request.SEND, out)
         return fut
 
-    def _request(self, kind: Request, arg: Any) -> None:
-        self._requests.append((kind, arg))
-        # a send or a release is taken in the caller's thread when no turn is running (no hand-off to the
-        # engine's thread, a few hundred us a message here); else the engine takes it on its next turn
-        if kind is Request.STOP or not self._turn_lock.acquire(blocking=False):
-            self.cq.wake()
-            self._if_dead()
-            return
-        try:
-            if self.dead is None and self._failed is None:
-                self._turn()
-        except BaseException as exc:  # the engine's thread fails the connection with it (as its own turn would)
-            self._failed = exc
-            self.cq.wake()
-            if not isinstance(exc, Exception):
-                raise  # (KeyboardInterrupt: the caller's too)
-        finally:
-            self._turn_lock.release()
-        self._if_dead()
-
-    def _if_dead(self) -> None:
-        if self.dead is not None:  # (died before the request was taken: fail it as _die failed the rest)
-            self._fail_requests(self.dead)
-
     def release_slot(self, slot: int) -> None:
         """A delivered FedRDMA-E message was released (any thread)."""
         self._request(Request.RELEASE, slot)
@@ -195,6 +176,8 @@ class Connection:
                 self.probe.start(clock())
             while not self._stop:
                 with self._turn_lock:
+                    if self._failed is not None:  # (a borrowed turn failed: nothing more on what it left)
+                        raise self._failed
                     self._turn()
                 try:  # (hooked: completions are taken with the lock held only, so that they are handled in order)
                     wcs = self.cq.wait(0.05, max_entries=0 if self._hooked else 64)
@@ -216,27 +199,6 @@ class Connection:
         except BaseException as exc:  # the engine must never die silently
             with self._turn_lock:
                 self._die(exc)
-
-    def _on_arrival(self) -> bool:
-        """SoftCQ.on_arrival: the NIC's thread that queued completions handles them, unless a turn is running
-        (whose thread takes them next); False wakes the engine."""
-        if not self._turn_lock.acquire(blocking=False):
-            return False
-        try:
-            if self.dead is not None or self._failed is not None:
-                return False
-            wcs = self.cq.poll(64)
-            while wcs:
-                for wc in wcs:
-                    on_wc(self, wc)
-                wcs = self.cq.poll(64)
-            self._turn()
-            return True
-        except BaseException as exc:  # (the engine's thread dies of it)
-            self._failed = exc
-            return False
-        finally:
-            self._turn_lock.release()
 
     def _turn(self) -> None:
         """Take the requests and post what the active transfer allows (with `_turn_lock` held)."""
@@ -436,6 +398,7 @@ class Connection:
             # a peer that closes while idle is a normal end; losing it mid-transfer is not
             (log.warning if busy else log.info)("connection to %s lost: %s", self.peer, exc)
         err = exc if isinstance(exc, PeerUnreachable) else PeerUnreachable(f"connection to {self.peer} lost: {exc}")
+        self._dead_err = err
         placed = list(self.slot_sender.placed.values()) if self.slot_sender is not None else []
         for o in ([self._active] if self._active else []) + list(self._outq) + self._draining + placed:
             o.payload.close()
@@ -449,14 +412,6 @@ class Connection:
             self.staged_receiver.clear()
         self._release_resources()
         self.endpoint._forget(self)
-
-    def _fail_requests(self, err: BaseException) -> None:
-        while self._requests:
-            kind, arg = self._requests.popleft()
-            if kind is Request.SEND:
-                arg.payload.close()
-                if not arg.fut.done():
-                    arg.fut.set_exception(err)
 
     def _release_resources(self) -> None:
         for rc in self.rcs:

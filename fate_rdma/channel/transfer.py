@@ -184,7 +184,7 @@ class TransferFuture(concurrent.futures.Future):
         self._progress_cbs: List[Callable[[int, int], None]] = []
 
     def add_progress_callback(self, fn: Callable[[int, int], None]) -> None:
-        """fn(progress_bytes, total_bytes), called from the channel's thread as chunks complete."""
+        """fn(progress_bytes, total_bytes), called as chunks complete (from the connection's engine thread, a user's thread that took a turn, or a soft NIC's thread)."""
         self._progress_cbs.append(fn)
 
     def _progress(self, nbytes: int) -> None:

@@ -107,7 +107,8 @@ class SoftQP(Requester, Responder, QP):
         self._push_ok = False  # responder: the requester may copy large WRITEs into our shared memory
         self._defer_ack = False  # requester: requests no completion waits for may be answered later (wire.py)
         self._defer_ok = False  # responder: ... and we may answer them later
-        self._owed_psn: Optional[int] = None  # responder: the last request placed and not answered yet
+        self._owed_psn: Optional[int] = None  # responder: the last request deferred (OP_NO_ACK), not answered yet
+        self._deferred = 0  # responder: of `_unacked_reqs`, those that carried OP_NO_ACK
         self._no_push_rkeys: Set[int] = set()  # requester: rkeys the responder answered "no push here" for
 
     # -- connection -----------------------------------------------------------------------------
@@ -271,6 +272,7 @@ class SoftQP(Requester, Responder, QP):
         with self._cv:
             self._closing = True
             self._wake_all()
+        self._send_owed()
         self._shutdown_sockets()
         for line in (self._ack_line, self._resp_line):
             if line is not None:

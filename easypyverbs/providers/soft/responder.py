@@ -138,11 +138,27 @@ class Responder:
                 return
 
     def _answer_owed(self, rd: wire.Reader) -> None:
-        """Deferred answers (wire.py): unless a next request arrives within DEFERRED_ACK_S (whose answer, or a
-        later one, acknowledges the requests before it), answer the last request placed now."""
+        """Deferred answers (wire.py; a plain socket, never TLS): unless a next request arrives within
+        DEFERRED_ACK_S (whose answer, or a later one, acknowledges the requests before it), answer the last
+        request deferred now."""
         if rd.buffered() or _readable(rd.sock, DEFERRED_ACK_S):
             return
-        self._answer(rd.sock, 0.0, wire.ACK, self._owed_psn, WCStatus.SUCCESS)  # type: ignore[arg-type]
+        self._unacked_bytes = self._unacked_reqs = self._deferred = 0
+        self._send_owed()
+
+    def _send_owed(self) -> None:
+        """Send a deferred answer still owed (at QP.close too, before the sockets go: the requester's WR was
+        placed and must complete as such, not fail with the closed connection). Once: under `_resp_lock`."""
+        sock = self._resp_sock
+        with self._resp_lock:
+            psn, self._owed_psn = self._owed_psn, None
+            if psn is None or sock is None:
+                return
+            try:
+                wire.send_buffers(sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, wire.ACK, psn,
+                                                                   int(WCStatus.SUCCESS), 0))])
+            except OSError:
+                pass
 
     @staticmethod
     def _await_request(rd: wire.Reader, regions: shm.PeerRegions) -> None:
@@ -317,13 +333,20 @@ class Responder:
         than ACK_EVERY_BYTES and ACK_EVERY_REQUESTS have gone unanswered. A WRITE_WITH_IMM is always
         answered at once: its completion is the requester's news that a message is placed, which must not
         wait for the next message's first chunk."""
-        if (self._resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
-                and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS and (no_ack or rd.more_pending())):
-            self._unacked_bytes += length
-            self._unacked_reqs += 1
-            self._owed_psn = psn
-            return True
-        return False
+        if not (self._resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
+                and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS):
+            return False
+        # an answer held for the next request only (no OP_NO_ACK: a completion may wait for it) is never
+        # deferred further by that request: answered at once instead, not DEFERRED_ACK_S later
+        if no_ack and self._unacked_reqs == self._deferred:
+            with self._resp_lock:
+                self._owed_psn = psn
+            self._deferred += 1
+        elif not rd.more_pending():
+            return False
+        self._unacked_bytes += length
+        self._unacked_reqs += 1
+        return True
 
     def _drain(self, rd: wire.Reader, length: int, pulled: Optional[Pulled] = None) -> None:
         if pulled is not None:
@@ -335,15 +358,15 @@ class Responder:
     def _answer(self, sock: socket.socket, due: float, kind: int, psn: int, status: WCStatus,
                 wc: Optional[WC] = None, payload: Optional[memoryview] = None, then_error: bool = False,
                 why: str = "") -> None:
-        self._unacked_bytes = self._unacked_reqs = 0  # every answer acknowledges the requests before it too
-        self._owed_psn = None
+        self._unacked_bytes = self._unacked_reqs = self._deferred = 0  # every answer acknowledges those before it
         def deliver() -> None:
             if then_error:
                 self._err_seen = True
             if wc is not None:
                 self.recv_cq.push(wc, defer=not then_error)  # type: ignore[attr-defined]
             try:
-                with self._resp_lock:
+                with self._resp_lock:  # (`_owed_psn` only under it: QP.close may send the owed answer itself)
+                    self._owed_psn = None
                     n = payload.nbytes if payload is not None else 0
                     wire.send_buffers(sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, kind, psn, int(status), n))]
                                       + ([payload] if payload is not None else []))
