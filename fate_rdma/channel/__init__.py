@@ -4,8 +4,9 @@ Where things are:
     endpoint.py    Endpoint: listens, dials, keeps one Connection per peer, the inbox of messages
     connection.py  Connection: set-up, and the engine loop shared by both modes (requests, turns taken
                    in the caller's thread, deadlines, teardown)
-    completions.py a connection's work completions and the peer's control frames (in the engine's
-                   thread, or in the soft NIC's thread that queued them)
+    turns.py       a connection's turns taken in borrowed threads: a user's send, release or cancel
+                   at once, the soft NIC's completions where they land
+    completions.py a connection's work completions and the peer's control frames
     handshake.py   the hello each side sends (validated field by field), the set-up confirmation
     layout.py      the registered memory of a connection and where each thing sits in it
     fedrdma.py     FedRDMA's engine: chunks through staging buffers, ACKs, reassembly
