@@ -33,6 +33,9 @@ ACK_EVERY_REQUESTS = 16
 #: a request whose answer may wait (OP_NO_ACK, wire.py) is answered this long after it was placed at the latest
 #: (or with the next request's answer, before): a connection's lone control frames cost no answer each
 DEFERRED_ACK_S = 0.005
+PSN_MASK = 0xFFFFFF
+log = logging.getLogger("easypyverbs.soft")
+_OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
 
 
 def _readable(sock: Any, timeout_s: float) -> bool:
@@ -40,9 +43,6 @@ def _readable(sock: Any, timeout_s: float) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
     return bool(poller.poll(timeout_s * 1000))
-PSN_MASK = 0xFFFFFF
-log = logging.getLogger("easypyverbs.soft")
-_OPS = {"send": wire.OP_SEND, "write": wire.OP_WRITE, "read": wire.OP_READ}
 #: a same-host request's payload: its spans in the requester's memory, and the mapping to copy them from (or None)
 #: (or the region named, not yet mapped: a WRITE the requester offered to push, mapped only if it does not)
 Pulled = Tuple[List[Any], Any]
@@ -155,8 +155,7 @@ class Responder:
             if psn is None or sock is None:
                 return
             try:
-                wire.send_buffers(sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, wire.ACK, psn,
-                                                                   int(WCStatus.SUCCESS), 0))])
+                wire.send_buffers(sock, [wire.resp(wire.ACK, psn, WCStatus.SUCCESS)])
             except OSError:
                 pass
 
@@ -167,9 +166,7 @@ class Responder:
         regions.maybe_prune()
         if not regions.mapped or rd.buffered() or not isinstance(rd.sock, socket.socket):
             return  # (a TLS stream may hold decrypted bytes its socket does not show: read it as before)
-        poller = select.poll()
-        poller.register(rd.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-        while regions.mapped and not poller.poll(shm.PRUNE_EVERY_S * 1000):
+        while regions.mapped and not _readable(rd.sock, shm.PRUNE_EVERY_S):
             regions.maybe_prune()
 
     def _read_spans(self, rd: wire.Reader, length: int, defer: bool = False) -> Optional[Pulled]:
@@ -240,8 +237,8 @@ class Responder:
         region = shm.region_of([(address_of(target), target.nbytes)])
         body = wire.PUSH_AT_BODY.pack(*region, os.getpid()) if region is not None else b""  # (empty: no push here)
         with self._resp_lock:
-            wire.send_buffers(rd.sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, wire.PUSH_AT, psn,
-                                                                  int(WCStatus.SUCCESS), len(body)) + body)])
+            wire.send_buffers(rd.sock, [wire.resp(wire.PUSH_AT, psn, WCStatus.SUCCESS, len(body))]
+                              + ([memoryview(body)] if body else []))
         if region is None:
             return False
         placed, i = 0, 0
@@ -368,8 +365,7 @@ class Responder:
                 with self._resp_lock:  # (`_owed_psn` only under it: QP.close may send the owed answer itself)
                     self._owed_psn = None
                     n = payload.nbytes if payload is not None else 0
-                    wire.send_buffers(sock, [memoryview(wire.RESP.pack(wire.RESP_MAGIC, wire.VERSION, kind, psn, int(status), n))]
-                                      + ([payload] if payload is not None else []))
+                    wire.send_buffers(sock, [wire.resp(kind, psn, status, n)] + ([payload] if payload is not None else []))
             except OSError:
                 pass  # the requester notices the lost connection itself
             if wc is not None and not then_error:

@@ -310,5 +310,7 @@ def available() -> Tuple[bool, str]:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("EASYPYVERBS_SOFT_SAME_HOST", "auto").strip().lower() not in ("off", "0", "no", "false")
+    from .wire import switched_on
+
+    return switched_on("EASYPYVERBS_SOFT_SAME_HOST")
 

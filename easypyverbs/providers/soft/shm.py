@@ -340,8 +340,9 @@ def works() -> bool:
 def push_enabled() -> bool:
     """May large WRITEs into a peer's shared memory be copied by the requester (push)? Where shared regions
     work here, unless EASYPYVERBS_SOFT_PUSH is off (each side offers or takes it in the HELLO exchange)."""
-    switch = os.environ.get("EASYPYVERBS_SOFT_PUSH", "auto").strip().lower()
-    return switch not in ("off", "0", "no", "false") and works()
+    from .wire import switched_on
+
+    return switched_on("EASYPYVERBS_SOFT_PUSH") and works()
 
 
 def self_test() -> Tuple[bool, str]:

@@ -87,11 +87,20 @@ HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN, HELLO_TLS_REQUIRED = 0, 1, 2
 TOKEN_BYTES = 16
 
 
+def switched_on(env: str) -> bool:
+    """A soft provider feature's switch in the environment: on unless `env` says off (off, 0, no, false)."""
+    return os.environ.get(env, "on").strip().lower() not in ("off", "0", "no", "false")
+
+
 def defer_ack_enabled() -> bool:
     """May requests whose answer no completion waits for be answered later (OP_NO_ACK)? Unless
     EASYPYVERBS_SOFT_DEFER_ACK is off (each side offers or takes it in the HELLO exchange)."""
-    switch = os.environ.get("EASYPYVERBS_SOFT_DEFER_ACK", "on").strip().lower()
-    return switch not in ("off", "0", "no", "false")
+    return switched_on("EASYPYVERBS_SOFT_DEFER_ACK")
+
+
+def resp(kind: int, psn: int, status: int, length: int = 0) -> memoryview:
+    """A RESP header (then `length` bytes: a READ response's, a PUSH_AT's body)."""
+    return memoryview(RESP.pack(RESP_MAGIC, VERSION, kind, psn, int(status), length))
 
 
 def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
