@@ -270,14 +270,17 @@ def test_config_errors():
             RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "buffer_puts": bad})
 
 
-def test_buffer_puts_auto_copies_a_put_whose_copy_costs_less_than_the_round_trip():
-    from fate_rdma.federation.config import PUT_COPY_BYTES_PER_S, RdmaFederationConfig
+def test_buffer_puts_auto_copies_a_put_whose_copy_costs_less_than_the_round_trip_or_a_transfer():
+    from fate_rdma.federation.config import PUT_COPY_BYTES_PER_S, PUT_COPY_SMALL_BYTES, RdmaFederationConfig
 
     auto = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}})
     assert auto.buffer_puts == "auto"
     mib18, rtt = 18 << 20, 0.020  # LoRA rank 32's upload over a 20 ms link: copied; rank 128's (72 MiB) not
     assert rtt * PUT_COPY_BYTES_PER_S > mib18 and auto.buffers_put(mib18, rtt) and not auto.buffers_put(72 << 20, rtt)
-    assert not auto.buffers_put(1 << 20, 0.0002) and not auto.buffers_put(1, 0.0)  # loopback; no RTT measured yet
+    # a small put is copied on any link (loopback, or no round trip measured yet): its copy costs less than a
+    # transfer's fixed costs; one past PUT_COPY_SMALL_BYTES is not, without a round trip that pays for it
+    assert auto.buffers_put(1 << 20, 0.0002) and auto.buffers_put(1, 0.0) and auto.buffers_put(PUT_COPY_SMALL_BYTES, 0.0)
+    assert not auto.buffers_put(PUT_COPY_SMALL_BYTES + 1, 0.0002) and not auto.buffers_put(PUT_COPY_SMALL_BYTES + 1, 0.0)
     for value, want in ((True, True), (False, False)):
         cfg = RdmaFederationConfig.from_section({"endpoints": {"guest:1": "h:1"}, "buffer_puts": value})
         assert cfg.buffers_put(1 << 30, 0.0) is want and cfg.buffers_put(1, 10.0) is want
@@ -446,17 +449,25 @@ def test_put_copies_are_in_shared_memory_on_the_same_host_path(guest):
     assert host_result(host)["w"] == sha(big)
 
 
-def test_buffer_puts_auto_on_loopback_waits_and_copies_nothing(guest):
-    """The default (buffer_puts: auto): to a peer on this host (no link model) a copy costs more than waiting
-    for the bytes, so the put sends the caller's arrays themselves and returns once they arrived; a put of
-    plain bytes (no copy to pay) is still buffered."""
+def test_buffer_puts_auto_on_loopback_copies_small_puts_only(guest):
+    """The default (buffer_puts: auto): to a peer on this host (no link model) a large put's copy costs more
+    than waiting for the bytes, so it sends the caller's arrays themselves and returns once they arrived; a
+    put of at most PUT_COPY_SMALL_BYTES is copied and returns at once; a put of plain bytes (no copy to pay)
+    is buffered whatever its size."""
+    from fate_rdma.federation.config import PUT_COPY_SMALL_BYTES
+
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s9a", names="w,w2")
-    big = [np.random.default_rng(4).standard_normal(600_000)]
+    ctx, fed, host = guest(section(eps), section(eps), "s9a", names="w,w2,small")
+    big = [np.random.default_rng(4).standard_normal(1_200_000)]  # 9.6 MB
+    assert big[0].nbytes > PUT_COPY_SMALL_BYTES
     ctx.hosts[0].put("w", big)
     ctx.hosts[0].put("w2", big)
     w = fed.fate_rdma
     assert w.stats["buffered_puts"] == 0 and not w._inflight and w.put_copies.fresh_bytes == 0
+    small = [np.random.default_rng(5).standard_normal(200_000)]  # 1.6 MB: copied, the put returns at once
+    ctx.hosts[0].put("small", small)
+    assert w.stats["buffered_puts"] == 1 and w.put_copies.fresh_bytes >= small[0].nbytes
+    assert w.flush(10) and w._inflight_bytes == 0
     pickle = [b"\x01" * (2 << 20)]  # what FATE's serializer hands the wrapper for other objects
     held, fill = w._buffered(pickle, 2 << 20, False, [HOST])
     assert held == pickle and held[0] is pickle[0] and fill is None and w._inflight_bytes == 2 << 20
@@ -464,18 +475,18 @@ def test_buffer_puts_auto_on_loopback_waits_and_copies_nothing(guest):
     conn = w.endpoint.connect(eps["host:10000"])
     assert conn.near and w.endpoint.round_trip_s(eps["host:10000"]) == 0.0  # (whatever its probe read)
     res = host_result(host)
-    assert res.get("error") is None and res["w"] == res["w2"] == sha(big), res
+    assert res.get("error") is None and res["w"] == res["w2"] == sha(big) and res["small"] == sha(small), res
 
 
-def test_buffer_puts_auto_copies_a_small_put_to_a_distant_peer(guest):
+def test_buffer_puts_auto_copies_a_put_to_a_distant_peer(guest):
     """Over the soft provider's link model (20 ms round trip, emulated): once the connection has measured
-    its round trip, a put of 4.8 MB is copied and returns at once (its copy costs less than the wait); the
-    first put, before any round trip is known, waits for its bytes."""
+    its round trip, a put of 12 MB (past PUT_COPY_SMALL_BYTES) is copied and returns at once (its copy costs
+    less than the wait); the first put, before any round trip is known, waits for its bytes."""
     eps = endpoints()
     link = {"soft_link": "rate=10gbit,rtt=20ms"}
     ctx, fed, host = guest(section(eps, **link), section(eps, **link), "s9w", names="w,w2")
     w = fed.fate_rdma
-    big = [np.random.default_rng(4).standard_normal(600_000)]
+    big = [np.random.default_rng(4).standard_normal(1_500_000)]
     ctx.hosts[0].put("w", big)
     assert w.stats["buffered_puts"] == 0  # no round trip measured when it was put
     assert not w.endpoint.connect(eps["host:10000"]).near and w.endpoint.round_trip_s(eps["host:10000"]) >= 0.02

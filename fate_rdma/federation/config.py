@@ -18,7 +18,8 @@
       buffer_puts: auto          # a put of arrays copies them (as FATE's pickling does) and returns at once while
                                  # its bytes go in the background (true), or waits until they have arrived
                                  # (false, no copy); auto: copies a put whose copy costs less than the round trip
-                                 # to its parties (bytes <= RTT x PUT_COPY_BYTES_PER_S), as small payloads on a WAN
+                                 # to its parties (bytes <= RTT x PUT_COPY_BYTES_PER_S), as small payloads on a WAN,
+                                 # and every put of at most 4 MiB (PUT_COPY_SMALL_BYTES), on any link
       put_buffer_bytes: 1073741824  # buffered bytes in flight at most (then a put waits); 0: no put is buffered
       endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
         guest:9999: 10.0.0.1:18600
@@ -42,9 +43,18 @@ FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_tim
 #: what `buffer_puts: auto` takes a put's copy to cost: a second per GB, about what the copies ran at inside
 #: `bench fate` rounds on the 2-core test machine, three busy parties (36 MiB in 49-55 ms). A copy pays where
 #: it costs less than the round trip a put that waits for its bytes spends on their confirmation (README,
-#: "Buffered puts": on loopback no copy won at every size, over a 20 ms link the copy of LoRA rank 4 and 32
+#: "Buffered puts": on loopback no copy won at every size then, 2026-11-27, but see PUT_COPY_SMALL_BYTES; over a 20 ms link the copy of LoRA rank 4 and 32
 #: won by 30-40 ms a round and stopped paying from rank 128, 72 MiB, up)
 PUT_COPY_BYTES_PER_S = 1e9
+#: what `buffer_puts: auto` copies whatever the round trip (one default chunk): a put that waits for its bytes
+#: pays, besides the round trip, a transfer's fixed costs at both ends (framing, the receiver's verdict, thread
+#: hand-offs: 2-5 ms a transfer on the 2-core test machine), and a party that puts to several parties in turn
+#: (FATE's SecureAggregatorServer, the average to each client) pays them once per party; copied, such puts
+#: return at once and their transfers overlap. Up to a chunk, the fixed costs outweigh the bytes. Measured
+#: there (2026-11-29, `bench fate --lora-ranks`, against no copy on loopback, three alternations per path,
+#: docs/FIGURES.md): rank 4 (puts of 1.2 and 2.4 MB) 0.91 x over TCP and 0.93 x on the same host, rank 8
+#: (its 2.4 MB downloads copied) 0.86 x and 0.97 x; copying the 4.7 MB downloads of rank 16 too gained nothing
+PUT_COPY_SMALL_BYTES = 4 << 20
 
 
 #: the longest wait a timeout may ask for (a year; Python's own limit is threading.TIMEOUT_MAX)
@@ -74,7 +84,7 @@ class RdmaFederationConfig:
     put_buffer_bytes: int = 1 << 30
     #: which puts are buffered (copied, the put returning at once): True all (within put_buffer_bytes), False
     #: none (a put waits until its bytes have arrived), "auto" those whose copy costs less than the measured
-    #: round trip to their parties (buffers_put)
+    #: round trip to their parties, and every put of at most PUT_COPY_SMALL_BYTES (buffers_put)
     buffer_puts: Union[bool, str] = "auto"
     #: interface this party's endpoint binds (default: the host of its own endpoints entry)
     listen_host: Optional[str] = None
@@ -130,9 +140,10 @@ class RdmaFederationConfig:
         for them to arrive, the slowest round trip to its parties being `rtt_s` (0 where none is measured, or
         the parties are processes of this host)? Under auto: where the copy costs less than the round trip
         the waiting put spends on the receiver's confirmation (the transfer itself it pays either way on a
-        link that the puts share). Within put_buffer_bytes only (the wrapper checks the room)."""
+        link that the puts share), and any put of at most PUT_COPY_SMALL_BYTES (whose copy costs less than a
+        transfer's fixed costs). Within put_buffer_bytes only (the wrapper checks the room)."""
         if self.buffer_puts == "auto":
-            return nbytes <= rtt_s * PUT_COPY_BYTES_PER_S
+            return nbytes <= max(PUT_COPY_SMALL_BYTES, rtt_s * PUT_COPY_BYTES_PER_S)
         return bool(self.buffer_puts)
 
     def address_of(self, party: Tuple[str, str]) -> str:
