@@ -43,8 +43,9 @@ FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_tim
 #: what `buffer_puts: auto` takes a put's copy to cost: a second per GB, about what the copies ran at inside
 #: `bench fate` rounds on the 2-core test machine, three busy parties (36 MiB in 49-55 ms). A copy pays where
 #: it costs less than the round trip a put that waits for its bytes spends on their confirmation (README,
-#: "Buffered puts": on loopback no copy won at every size then, 2026-11-27, but see PUT_COPY_SMALL_BYTES; over a 20 ms link the copy of LoRA rank 4 and 32
-#: won by 30-40 ms a round and stopped paying from rank 128, 72 MiB, up)
+#: "Buffered puts": on loopback no copy won at every size then, 2026-11-27, but see PUT_COPY_SMALL_BYTES;
+#: over a 20 ms link the copy of LoRA rank 4 and 32 won by 30-40 ms a round and stopped paying from rank 128,
+#: 72 MiB, up)
 PUT_COPY_BYTES_PER_S = 1e9
 #: what `buffer_puts: auto` copies whatever the round trip (one default chunk): a put that waits for its bytes
 #: pays, besides the round trip, a transfer's fixed costs at both ends (framing, the receiver's verdict, thread
