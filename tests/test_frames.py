@@ -82,6 +82,29 @@ def test_damaged_frames_are_clear_errors():
         frames.decode(frames.InFrame(memoryview(bad)), PlainUnpickler, None, None, "n", "t", None)
 
 
+@pytest.mark.parametrize("dtype, shape, error", [
+    ("|O", (4,), "names dtype object"),  # an object array would unpickle nothing, but is never a frame's
+    ("|V8", (4,), "names dtype"),
+    ("not a dtype", (4,), "names dtype 'not a dtype'"),
+    ("<f8", (-1,), "names shape"),
+    ("<f8", (4, "4"), "names shape"),
+    ("<f8", (1 << 62, 1 << 62), "outside"),  # (a product that wraps in int64 must not pass the bound check)
+])
+def test_forged_array_references_are_clear_errors(monkeypatch, dtype, shape, error):
+    """A frame's header names each array's dtype and shape; a peer's forged ones are refused, never read."""
+    real = frames._FramePickler._add
+
+    def forge(self, arr, kind):
+        pid = real(self, arr, kind)
+        return pid[:2] + (dtype, shape) + pid[4:]
+
+    monkeypatch.setattr(frames._FramePickler, "_add", forge)
+    out = frames.encode([np.ones(4)], 0)
+    wire = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in out.buffers))
+    with pytest.raises(IntegrityError, match=error):
+        frames.decode(frames.InFrame(memoryview(wire)), PlainUnpickler, None, None, "n", "t", None)
+
+
 def test_fates_restricted_unpickler_policy_still_applies():
     pytest.importorskip("fate.arch.federation.api._serdes")
     from fate.arch.federation.api._serdes import TableRemotePersistentUnpickler

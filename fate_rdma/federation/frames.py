@@ -16,6 +16,7 @@ contexts) or arrays of object/structured dtypes are not framed: they take FATE's
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 from typing import Any, Dict, List, Optional, Tuple
@@ -158,7 +159,8 @@ def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
         (count,) = struct.unpack_from("<Q", view, view.nbytes - 8)
         if magic != MAGIC or _HDR.size + hlen > view.nbytes or 8 * count + 8 > view.nbytes:
             raise ValueError("bad frame header")
-        offsets = np.frombuffer(view, dtype="<u8", count=count, offset=view.nbytes - 8 - 8 * count)
+        # a list: indexing a numpy array for every array's offset cost more than the array itself
+        offsets = np.frombuffer(view, dtype="<u8", count=count, offset=view.nbytes - 8 - 8 * count).tolist()
     except (struct.error, ValueError) as exc:
         raise IntegrityError(f"fate-rdma: malformed array frame ({view.nbytes} bytes): {exc}") from exc
     limit = view.nbytes - 8 - 8 * count
@@ -183,7 +185,7 @@ def _unpickler(base: Any) -> Any:
     cls = _UNPICKLERS.get(base)
     if cls is None:
         class _FrameUnpickler(base):  # type: ignore[misc, valid-type]
-            frame: Optional[Tuple[memoryview, np.ndarray, int]] = None
+            frame: Optional[Tuple[memoryview, List[int], int]] = None
 
             def persistent_load(self, pid: Any) -> Any:
                 if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == _PID and self.frame is not None:
@@ -194,17 +196,34 @@ def _unpickler(base: Any) -> Any:
     return cls
 
 
-def _array(view: memoryview, offsets: np.ndarray, limit: int, idx: int, dtype: str, shape: Tuple[int, ...],
-           kind: str) -> Any:
-    from ..errors import IntegrityError
+def _dtype(name: str) -> np.dtype:
+    """The numpy dtype a frame names (`dtype.str`, e.g. '<f8'), if a frame may carry it."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        try:
+            dt = np.dtype(name)
+        except (TypeError, ValueError) as exc:
+            raise IntegrityError(f"fate-rdma: array frame names dtype {name!r}: {exc}") from exc
+        if dt.kind not in _KINDS or dt.fields is not None:
+            raise IntegrityError(f"fate-rdma: array frame names dtype {dt}")
+        if len(_DTYPES) < 64:  # (a peer naming ever new dtypes does not grow it)
+            _DTYPES[name] = dt
+    return dt
 
-    dt = np.dtype(dtype)
-    if dt.kind not in _KINDS:
-        raise IntegrityError(f"fate-rdma: array frame names dtype {dtype}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if not 0 <= idx < len(offsets) or int(offsets[idx]) + count * dt.itemsize > limit:
+
+#: dtypes seen in frames, by their `str`: np.dtype(name) once, not for every array of every frame
+_DTYPES: Dict[str, np.dtype] = {}
+
+
+def _array(view: memoryview, offsets: List[int], limit: int, idx: int, dtype: str, shape: Tuple[int, ...],
+           kind: str) -> Any:
+    dt = _dtype(dtype)
+    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise IntegrityError(f"fate-rdma: array frame names shape {shape!r}")
+    count = math.prod(shape)
+    if not 0 <= idx < len(offsets) or offsets[idx] + count * dt.itemsize > limit:
         raise IntegrityError(f"fate-rdma: array {idx} of a frame lies outside it ({view.nbytes} bytes)")
-    arr = np.frombuffer(view, dtype=dt, count=count, offset=int(offsets[idx])).reshape(shape)
+    arr = np.frombuffer(view, dtype=dt, count=count, offset=offsets[idx]).reshape(shape)
     if kind == "np":
         return arr
     import torch
