@@ -171,8 +171,11 @@ def test_fate_job_rounds_start_at_the_arbiters_instant(tmp_path):
     (row,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('{"bench": "fate", "payload"')]
     assert row["verified"] is True and row["lora_rank"] == 4 and row["rounds"] == 3 and row["buffer_puts"] == "true"
     assert all(0 < s < START_LEAD_S for s in row["round_comm_seconds_all"])
+    arbiter = json.load(open(os.path.join(tmp_path, "fate-rdma-s1-r4", "arbiter.json")))
     for role in ("guest", "host"):
         res = json.load(open(os.path.join(tmp_path, "fate-rdma-s1-r4", f"{role}.json")))
+        # each round less its own summing time (it comes with the next round's start message, the last one after)
+        assert res["aggregate_seconds"] == arbiter["aggregate_seconds"] and len(res["comm_seconds"]) == 3
         assert len(res["go_late_seconds"]) == 3 and res["go_late_seconds"][1:] == [0.0, 0.0]
         # (--buffer-puts true) the first round's put copy is faulted in fresh, the later rounds' land in a recycled buffer
         assert res["put_copies"]["fresh_bytes"] > 0 and res["put_copies"]["reused_bytes"] > 0, res["put_copies"]

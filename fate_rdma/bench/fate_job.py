@@ -107,7 +107,10 @@ def run(ctx) -> None:
     average, less the arbiter's summing time. (Timed from each client's receipt of a plain "go"
     instead, a round also counted the gap between the two receipts, some milliseconds here, the second
     client's upload starting that much later: a cost of the barrier's own messages, which no FedAvg
-    round has and `bench fate`'s channel-alone baseline never had.)"""
+    round has and `bench fate`'s channel-alone baseline never had.) The arbiter's summing time reaches the
+    clients with the next round's "go" (the last round's after the loop): sent right after the average,
+    as before 2026-11-29, it was two more transfers in the round's window, beside the downloads, which
+    neither a FedAvg round nor the channel-alone baseline has."""
     import numpy as np
     from fate.arch.launchers.argparser import HfArgumentParser
     from fate.arch.protocol.secure_aggregation._secure_aggregation import SecureAggregatorClient
@@ -123,8 +126,8 @@ def run(ctx) -> None:
             for r in ranks:
                 rctx.parties[r].get("ready")
             start = time.monotonic() + (START_LEAD_S if i else FIRST_LEAD_S)
-            for r in ranks:
-                rctx.parties[r].put("go", start)
+            for r in ranks:  # with the previous round's summing time (kept out of that round's window)
+                rctx.parties[r].put("go", (start, agg_seconds[-1] if i else 0.0))
             start = wait_until(start)
             mix, total = MixAggregate(), 0.0
             spent = 0.0
@@ -143,15 +146,15 @@ def run(ctx) -> None:
             del avg, mix
             agg_seconds.append(spent)
             wall.append(time.monotonic() - start)
-            for r in ranks:
-                rctx.parties[r].put("agg_seconds", spent)
+        for r in ranks:  # the last round's summing time (each earlier one came with the next round's "go")
+            ctx.parties[r].put("agg_seconds", agg_seconds[-1])
         return _record(ctx, args, role, [w - a for w, a in zip(wall, agg_seconds)], {"aggregate_seconds": agg_seconds})
     rng = np.random.default_rng(args.seed + ctx.local.rank)
     weights = [rng.standard_normal(int(np.prod(s))).reshape(s) for s in scaled_shapes(args.scale, args.lora_rank)]
     n = sum(w.size for w in weights)
     client = SecureAggregatorClient(prefix="bench_model")
     client.dh_exchange(ctx, ranks)
-    comm, mix_seconds, go_late = [], [], []
+    elapsed, agg, mix_seconds, go_late = [], [], [], []
     for i, rctx in ctx.ctxs_range(args.rounds):
         if i:
             weights = [a * 0.999 for a in avg]  # the next round's "local update" (the same on every client)
@@ -160,14 +163,17 @@ def run(ctx) -> None:
         mixed = client._get_mixer().mix(weights, 0.5)
         mix_seconds.append(time.perf_counter() - t0)
         rctx.arbiter.put("ready", True)
-        named = rctx.arbiter.get("go")
+        named, last_agg = rctx.arbiter.get("go")
+        if i:
+            agg.append(last_agg)
         start = wait_until(named)
         go_late.append(start - named)
         rctx.arbiter.put(send, (mixed, 0.5))
         del mixed
         avg = rctx.arbiter.get(recv)
-        elapsed = time.monotonic() - start
-        comm.append(elapsed - rctx.arbiter.get("agg_seconds"))
+        elapsed.append(time.monotonic() - start)
+    agg.append(ctx.arbiter.get("agg_seconds"))
+    comm = [e - a for e, a in zip(elapsed, agg)]
     # checked once all rounds are timed, so the check never competes with another party's timed part;
     # the clients also compare digests, so an average that differs between them cannot pass
     verified = _check_average(avg, weights, args, ranks, first_round=args.rounds == 1)
@@ -177,7 +183,8 @@ def run(ctx) -> None:
         ctx.parties[r].put("bench_final_digest", digest)
     verified = verified and all(ctx.parties[r].get("bench_final_digest") == digest for r in others)
     _record(ctx, args, role, comm, {"params": n, "tensors": len(weights), "up_bytes": 16 * n, "down_bytes": 8 * n,
-                                    "mix_seconds": mix_seconds, "go_late_seconds": go_late, "verified": verified})
+                                    "mix_seconds": mix_seconds, "go_late_seconds": go_late, "verified": verified,
+                                    "aggregate_seconds": agg})
 
 if __name__ == "__main__":
     from fate.arch.launchers.multiprocess_launcher import launch
