@@ -88,7 +88,8 @@ class ChannelConfig:
     #: FedRDMA: largest payload accepted (the destination is allocated per transfer)
     max_payload_bytes: int = 64 << 30
     #: FedRDMA: reassembly buffers kept for reuse once nothing refers to them (fresh memory costs a page
-    #: fault per 4 KiB, ~1.4 s/GB on small VMs); at most this many bytes stay resident, 0 = no reuse
+    #: fault per 4 KiB, ~1.4 s/GB on small VMs); at most this many bytes stay resident, 0 = no reuse; one
+    #: unused for pool_idle_s is let go of (buffers.RecvBuffers.trim)
     recv_cache_bytes: int = 4 << 30
     #: FedRDMA-E payload larger than a slot: "error" (PayloadTooLarge) or "fedrdma" (send that one chunked+staged)
     too_large: str = "error"

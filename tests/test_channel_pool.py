@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import crc32c
 import numpy as np
@@ -168,12 +169,35 @@ def test_pool_report_says_what_the_pools_hold(caplog):
         assert rep["reserved_bytes"] == rx.pool_bytes() == 2 * SLOT_AREA + (3 << 20) + 4096 == rep["budget_held_bytes"]
         assert 3 << 20 <= rep["resident_bytes"] <= rep["reserved_bytes"] + 4096  # written pages only (soft)
         lines = describe(pool_policy(cfg), rep)
-        assert "up to 64.1 MiB under load" in lines[0] and "registered" in lines[1] and "3.0 MiB held" in lines[2]
+        assert "up to 64.1 MiB under load" in lines[0] and "let go of once unused for 30 s" in lines[1]
+        assert "registered" in lines[2] and "buffers now" in lines[3] and "3.0 MiB held" in lines[4]
         msg.release()
         rx.close()  # its close logs what its pools hold (a FATE task's log shows it)
     closing = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"fate-rdma endpoint {rx.address} at close")]
     assert len(closing) == 1 and "pools now: " in closing[0] and "for 1 peer(s)" in closing[0]
     assert "3.0 MiB granted" in closing[0]  # (the slot keeps its room until it has been idle pool_idle_s)
+
+
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_reassembly_and_copy_buffers_are_let_go_of_when_idle(mode):
+    """FedRDMA's reassembly buffers (and FedRDMA-E's copies of small messages) are kept for the next transfer, and
+    let go of once unused for pool_idle_s, as idle slots shrink; the endpoint's report says what it keeps."""
+    cfg = cfg_for(mode, "soft", pool_idle_s=0.5, chunk_bytes=1 << 20, slot_bytes=8 << 20)
+    with Endpoint(cfg, name="rx") as rx, Endpoint(cfg, name="tx") as tx:
+        # (FedRDMA-E copies a payload out of its slot below LEND_MIN_BYTES only; FedRDMA reassembles them all)
+        payload = os.urandom(3 << 20 if mode == "fedrdma" else 300_000)
+        tx.send(rx.address, payload).result(30)
+        msg = rx.recv(timeout=30)
+        data = msg.detach()
+        assert bytes(data) == payload and rx.recv_buffers.held_bytes >= len(payload)
+        time.sleep(1.5)  # idle, but `data` still refers to its buffer: kept
+        assert rx.recv_buffers.held_bytes >= len(payload) and rx.pool_report()["recycled_bytes"] >= len(payload)
+        del msg, data
+        wait_for(lambda: rx.recv_buffers.held_bytes == 0, 10, "the unused buffer let go of")
+        rep = rx.pool_report()
+        assert rep["recycled_bytes"] == 0 and rep["recycled_trimmed_bytes"] >= len(payload)
+        tx.send(rx.address, payload).result(30)  # the next transfer takes a new buffer
+        assert bytes(rx.recv(timeout=30).detach()) == payload
 
 
 def test_without_a_checksum_a_lent_slot_is_cleared_before_it_is_granted_again(monkeypatch):

@@ -478,6 +478,24 @@ def test_buffer_puts_auto_on_loopback_copies_small_puts_only(guest):
     assert res.get("error") is None and res["w"] == res["w2"] == sha(big) and res["small"] == sha(small), res
 
 
+def test_put_copies_unused_for_the_idle_time_are_let_go_of(guest):
+    """A party idle between two exchanges (FATE-LLM trains for minutes) holds no put copies: once its copy's
+    transfers are done and pool_idle_s has passed without a put reusing it, the buffer is let go of."""
+    eps = endpoints()
+    ctx, fed, host = guest(section(eps, pool_idle_s=0.5), section(eps), "s9i", names="small")
+    small = [np.random.default_rng(6).standard_normal(200_000)]  # 1.6 MB: copied, the put returns at once
+    ctx.hosts[0].put("small", small)
+    w = fed.fate_rdma
+    assert w.stats["buffered_puts"] == 1 and w.put_copies.held_bytes >= small[0].nbytes
+    assert w.flush(10)
+    deadline = time.monotonic() + 10
+    while w.put_copies.held_bytes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert w.put_copies.held_bytes == 0 and w.put_copies.trimmed_bytes >= small[0].nbytes
+    res = host_result(host)
+    assert res.get("error") is None and res["small"] == sha(small), res
+
+
 def test_buffer_puts_auto_copies_a_put_to_a_distant_peer(guest):
     """Over the soft provider's link model (20 ms round trip, emulated): once the connection has measured
     its round trip, a put of 12 MB (past PUT_COPY_SMALL_BYTES) is copied and returns at once (its copy costs

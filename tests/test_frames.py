@@ -144,6 +144,29 @@ def test_recv_buffers_are_reused_only_when_free():
     assert big.nbytes == 2 << 20
 
 
+def test_recv_buffers_unused_for_the_idle_time_are_let_go_of():
+    """An idle endpoint holds little: a kept buffer nothing refers to and unused for `idle_s` is let go of; one
+    still referred to (a message or an array made from it) or used more recently is kept; idle_s 0 keeps all."""
+    from fate_rdma.channel.buffers import RecvBuffers
+
+    rb = RecvBuffers(1 << 30)
+    old, kept = rb.get(3000), rb.get(1 << 20)
+    old_bytes = rb.held_bytes - (1 << 20)
+    del old
+    assert rb.trim(60, force=True) == 0 and rb.trim(0, force=True) == 0  # not idle long enough; never
+    time.sleep(0.25)
+    recent = rb.get(5 << 20)  # handed out just now
+    del recent
+    assert rb.trim(0.2) == 0  # (at most once every TRIM_EVERY_S: the first trim above counts)
+    assert rb.trim(0.2, force=True) == old_bytes  # `kept` is referred to, `recent`'s buffer was used 0 s ago
+    assert rb.held_bytes == (1 << 20) + (5 << 20) and rb.trimmed_bytes == old_bytes
+    del kept
+    time.sleep(0.25)
+    assert rb.trim(0.2, force=True) == 6 << 20 and rb.held_bytes == 0
+    again = rb.get(3000)  # a new buffer, faulted in afresh
+    assert again.nbytes == 3000 and rb.held_bytes >= 3000
+
+
 def test_message_detach_copies_only_slots():
     from fate_rdma.channel.buffers import RecvBuffers
     from fate_rdma.channel.transfer import Message

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from typing import Any, List
 
 import numpy as np
@@ -99,17 +100,32 @@ def copy_into(dest: np.ndarray, offset: int, src: memoryview) -> None:
 class RecvBuffers:
     """FedRDMA reassembly buffers, recycled: a buffer is handed out again once no message view and no
     array made from one refers to it any more (CPython reference count), so round after round of
-    same-sized payloads lands in memory that is already faulted in. At most `max_bytes` are kept.
-    `shared`: buffers in shared memory (fresh(shared=True)), for what is sent to same-host peers."""
+    same-sized payloads lands in memory that is already faulted in. At most `max_bytes` are kept, and
+    `trim` lets go of those unused for a while (an idle endpoint holds little: FATE jobs spend minutes
+    training between two exchanges). `shared`: buffers in shared memory (fresh(shared=True)), for what
+    is sent to same-host peers."""
+
+    #: `trim` looks at the buffers at most this often (its callers tick more often than that)
+    TRIM_EVERY_S = 1.0
 
     def __init__(self, max_bytes: int, shared: bool = False) -> None:
         self.max_bytes, self.shared = max_bytes, shared
         self._bufs: List[np.ndarray] = []
+        self._used_at: List[float] = []  # when each of `_bufs` was last handed out (time.monotonic)
         self._lock = threading.Lock()
+        self._trimmed_at = time.monotonic()
         self.reused = 0
         #: bytes handed out in recycled (already faulted-in) memory, and in fresh memory
         self.reused_bytes = 0
         self.fresh_bytes = 0
+        #: bytes let go of by `trim`, in all
+        self.trimmed_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the buffers kept for reuse now (in use by a message or an array, or free)."""
+        with self._lock:
+            return sum(b.nbytes for b in self._bufs)
 
     def get(self, n: int) -> np.ndarray:
         with self._lock:
@@ -118,6 +134,7 @@ class RecvBuffers:
                 if n <= b.nbytes <= 2 * n + (1 << 20) and _unreferenced(b, extra=1):
                     self.reused += 1
                     self.reused_bytes += n
+                    self._used_at[i] = time.monotonic()
                     return b[:n]
             self.fresh_bytes += n
             if n > self.max_bytes:
@@ -126,14 +143,33 @@ class RecvBuffers:
                 idle = [j for j in range(len(self._bufs)) if _unreferenced(self._bufs[j])]
                 if not idle:
                     return fresh(n, self.shared)
-                del self._bufs[idle[0]]
+                del self._bufs[idle[0]], self._used_at[idle[0]]
             b = fresh(n, self.shared)
             self._bufs.append(b)
+            self._used_at.append(time.monotonic())
             return b[:n]
+
+    def trim(self, idle_s: float, force: bool = False) -> int:
+        """Let go of every buffer nothing refers to that was last handed out `idle_s` or more ago (0: never);
+        the bytes let go of. At most once every TRIM_EVERY_S unless `force`."""
+        now = time.monotonic()
+        if not idle_s or (not force and now - self._trimmed_at < self.TRIM_EVERY_S):
+            return 0
+        with self._lock:
+            self._trimmed_at = now
+            keep = [i for i in range(len(self._bufs))
+                    if now - self._used_at[i] < idle_s or not _unreferenced(self._bufs[i], extra=0)]
+            if len(keep) == len(self._bufs):
+                return 0
+            freed = sum(self._bufs[i].nbytes for i in range(len(self._bufs)) if i not in keep)
+            self._bufs = [self._bufs[i] for i in keep]
+            self._used_at = [self._used_at[i] for i in keep]
+            self.trimmed_bytes += freed
+        return freed
 
     def clear(self) -> None:
         with self._lock:
-            self._bufs = []
+            self._bufs, self._used_at = [], []
 
 
 class Budget:

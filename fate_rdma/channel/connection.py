@@ -388,6 +388,8 @@ class Connection(Turns):
         for part in (self.slot_sender, self.slot_receiver, self.staged_receiver):
             if part is not None:
                 part.tick(now)
+        # reassembly and copy buffers unused for pool_idle_s are let go of, as idle slots shrink
+        self.endpoint.recv_buffers.trim(self.cfg.pool_idle_s)
 
     # -- teardown -------------------------------------------------------------------------------
     def _die(self, exc: BaseException, quiet: bool = False) -> None:

@@ -350,7 +350,7 @@ class Endpoint:
         `doctor` prints what a configuration lets the pools hold, slots.pool_policy)."""
         from .slots import pool_report
 
-        return pool_report(self._all_conns(), self.budget)
+        return pool_report(self._all_conns(), self.budget, self.recv_buffers)
 
     def peers(self) -> List[str]:
         return sorted({c.peer for c in self._all_conns()})
@@ -384,11 +384,10 @@ class Endpoint:
         self._acceptor.join(timeout=5)
         self.listener.close()
         if self.config.mode == "fedrdma-e":  # what the pools hold at the end, for the task's log
-            from .slots import describe, pool_policy
+            from .slots import describe_live
 
             try:
-                log.info("fate-rdma endpoint %s at close: %s", self.name,
-                         "; ".join(describe(pool_policy(self.config), self.pool_report())[1:]))
+                log.info("fate-rdma endpoint %s at close: %s", self.name, "; ".join(describe_live(self.pool_report())))
             except Exception:  # (a report is not worth failing a close over)
                 log.debug("fate-rdma endpoint %s: no pool report at close", self.name, exc_info=True)
         for c in self._all_conns():

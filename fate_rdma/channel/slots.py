@@ -215,12 +215,13 @@ def pool_policy(cfg: Any) -> Dict[str, Any]:
             "slot_initial_bytes": initial, "pool_idle_s": cfg.pool_idle_s,
             "idle_bytes_per_peer": cfg.pool_slots * (area + initial) if cfg.mode == "fedrdma-e" else 0,
             "max_bytes_per_peer": cfg.pool_slots * (area + cfg.slot_bytes) if cfg.mode == "fedrdma-e" else 0,
-            "memory_budget_bytes": cfg.budget_bytes}
+            "memory_budget_bytes": cfg.budget_bytes, "recv_cache_bytes": cfg.recv_cache_bytes}
 
 
-def pool_report(conns: Iterable[Any], budget: Any) -> Dict[str, Any]:
+def pool_report(conns: Iterable[Any], budget: Any, recycled: Any = None) -> Dict[str, Any]:
     """What the FedRDMA-E receive pools of these connections hold now: per peer and in all, registered
-    (reserved from the memory budget) and resident bytes, and each slot's room and state."""
+    (reserved from the memory budget) and resident bytes, and each slot's room and state; with `recycled`
+    (buffers.RecvBuffers), the reassembly and copy buffers kept for reuse."""
     peers: Dict[str, Any] = {}
     for c in conns:
         mem = getattr(c, "mem", None)
@@ -236,7 +237,9 @@ def pool_report(conns: Iterable[Any], budget: Any) -> Dict[str, Any]:
     resident = [p["resident_bytes"] for p in peers.values()]
     return {"reserved_bytes": sum(p["reserved_bytes"] for p in peers.values()),
             "resident_bytes": None if None in resident else sum(resident),
-            "budget_held_bytes": budget.held_bytes, "budget_limit_bytes": budget.limit_bytes, "peers": peers}
+            "budget_held_bytes": budget.held_bytes, "budget_limit_bytes": budget.limit_bytes, "peers": peers,
+            "recycled_bytes": recycled.held_bytes if recycled is not None else 0,
+            "recycled_trimmed_bytes": recycled.trimmed_bytes if recycled is not None else 0}
 
 
 def describe(policy: Dict[str, Any], live: Optional[Dict[str, Any]] = None) -> List[str]:
@@ -252,12 +255,22 @@ def describe(policy: Dict[str, Any], live: Optional[Dict[str, Any]] = None) -> L
                  f"{policy['max_bytes_per_peer'] / mib:.1f} MiB under load (slot_bytes "
                  f"{policy['slot_bytes'] / mib:.1f} MiB); shrinks {idle}; all peers together within the "
                  f"memory budget of {policy['memory_budget_bytes'] / mib:.0f} MiB"]
-    if live is not None:
-        res = live["resident_bytes"]
-        lines.append(f"pools now: {live['reserved_bytes'] / mib:.1f} MiB registered, "
-                     f"{'?' if res is None else f'{res / mib:.1f}'} MiB resident, for {len(live['peers'])} peer(s); "
-                     f"budget {live['budget_held_bytes'] / mib:.1f} of {live['budget_limit_bytes'] / mib:.0f} MiB held")
-        for name, p in sorted(live["peers"].items()):
-            rooms = ", ".join(f"{s['payload_bytes'] / mib:.1f} MiB {s['state']}" for s in p["slots"])
-            lines.append(f"  {name}: {rooms}")
+    idle = f"{policy['pool_idle_s']:g} s" if policy["pool_idle_s"] else "never (pool_idle_s: 0)"
+    lines.append(f"reassembly and small-message copy buffers: kept for reuse up to "
+                 f"{policy['recv_cache_bytes'] / mib:.0f} MiB (recv_cache_bytes), let go of once unused for {idle}; "
+                 f"a FATE party's put copies (put_buffer_bytes) likewise")
+    return lines + (describe_live(live) if live is not None else [])
+
+
+def describe_live(live: Dict[str, Any]) -> List[str]:
+    """Lines saying what a running endpoint's pools and buffers hold (pool_report; logged at its close)."""
+    mib, res = 1 << 20, live["resident_bytes"]
+    lines = [f"pools now: {live['reserved_bytes'] / mib:.1f} MiB registered, "
+             f"{'?' if res is None else f'{res / mib:.1f}'} MiB resident, for {len(live['peers'])} peer(s); "
+             f"budget {live['budget_held_bytes'] / mib:.1f} of {live['budget_limit_bytes'] / mib:.0f} MiB held",
+             f"reassembly and copy buffers now: {live.get('recycled_bytes', 0) / mib:.1f} MiB kept, "
+             f"{live.get('recycled_trimmed_bytes', 0) / mib:.1f} MiB let go of when unused"]
+    for name, p in sorted(live["peers"].items()):
+        rooms = ", ".join(f"{s['payload_bytes'] / mib:.1f} MiB {s['state']}" for s in p["slots"])
+        lines.append(f"  {name}: {rooms}")
     return lines

@@ -27,8 +27,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.config:
         lines[0] += " (defaults; --config FILE for yours)"
     if cfg.mode == "fedrdma-e":
-        lines.append("  what a running endpoint's pools hold: logged when it closes (a FATE task's log), "
-                     "Endpoint.pool_report() in code")
+        lines.insert(1, "  what a running endpoint's pools hold: logged when it closes (a FATE task's log), "
+                        "Endpoint.pool_report() in code")
     from ..hugepages import check as huge_pages
 
     rep["malloc_huge_pages"] = huge_pages()[1]  # (measured where asked for; the warning where not got)

@@ -112,6 +112,8 @@ class RdmaFederation:
     def _receive(self) -> None:
         try:
             while not self._stop:
+                # put copies unused for pool_idle_s are let go of (as the endpoint's idle slots and buffers)
+                self.put_copies.trim(self.cfg.channel.pool_idle_s)
                 try:
                     msg = self.endpoint.recv(timeout=0.5)
                 except TransferTimeout:
