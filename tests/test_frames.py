@@ -82,21 +82,24 @@ def test_damaged_frames_are_clear_errors():
         frames.decode(frames.InFrame(memoryview(bad)), PlainUnpickler, None, None, "n", "t", None)
 
 
-@pytest.mark.parametrize("dtype, shape, error", [
-    ("|O", (4,), "names dtype object"),  # an object array would unpickle nothing, but is never a frame's
-    ("|V8", (4,), "names dtype"),
-    ("not a dtype", (4,), "names dtype 'not a dtype'"),
-    ("<f8", (-1,), "names shape"),
-    ("<f8", (4, "4"), "names shape"),
-    ("<f8", (1 << 62, 1 << 62), "outside"),  # (a product that wraps in int64 must not pass the bound check)
+@pytest.mark.parametrize("idx, dtype, shape, kind, error", [
+    (0, "|O", (4,), "np", "names dtype object"),  # an object array would unpickle nothing, but is never a frame's
+    (0, "|V8", (4,), "np", "names dtype"),
+    (0, "not a dtype", (4,), "np", "names dtype 'not a dtype'"),
+    (0, "<f8", (-1,), "np", "names shape"),
+    (0, "<f8", (4, "4"), "np", "names shape"),
+    (0, "<f8", (1 << 62, 1 << 62), "np", "outside"),  # (a product that wraps in int64 must not pass the bound check)
+    ("0", "<f8", (4,), "np", "names array '0'"),
+    (True, "<f8", (4,), "np", "names array True"),
+    (0, "<f8", (4,), "pandas", "of kind 'pandas'"),
 ])
-def test_forged_array_references_are_clear_errors(monkeypatch, dtype, shape, error):
-    """A frame's header names each array's dtype and shape; a peer's forged ones are refused, never read."""
+def test_forged_array_references_are_clear_errors(monkeypatch, idx, dtype, shape, kind, error):
+    """A frame's header names each array's index, dtype, shape and kind; a peer's forged ones are refused."""
     real = frames._FramePickler._add
 
-    def forge(self, arr, kind):
-        pid = real(self, arr, kind)
-        return pid[:2] + (dtype, shape) + pid[4:]
+    def forge(self, arr, kind_):
+        pid = real(self, arr, kind_)
+        return (pid[0], idx, dtype, shape, kind)
 
     monkeypatch.setattr(frames._FramePickler, "_add", forge)
     out = frames.encode([np.ones(4)], 0)

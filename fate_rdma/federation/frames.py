@@ -220,6 +220,8 @@ def _array(view: memoryview, offsets: List[int], limit: int, idx: int, dtype: st
     dt = _dtype(dtype)
     if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
         raise IntegrityError(f"fate-rdma: array frame names shape {shape!r}")
+    if type(idx) is not int or not (kind == "np" or (type(kind) is str and kind.startswith("torch:"))):
+        raise IntegrityError(f"fate-rdma: array frame names array {idx!r} of kind {kind!r}")
     count = math.prod(shape)
     if not 0 <= idx < len(offsets) or offsets[idx] + count * dt.itemsize > limit:
         raise IntegrityError(f"fate-rdma: array {idx} of a frame lies outside it ({view.nbytes} bytes)")
