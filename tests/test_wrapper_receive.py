@@ -8,6 +8,8 @@ import time
 import pytest
 
 from fate_rdma import errors as E
+from fate_rdma.channel.buffers import RecvBuffers
+from fate_rdma.federation.config import RdmaFederationConfig
 from fate_rdma.federation.store import Store
 from fate_rdma.federation.wrapper import RdmaFederation
 
@@ -30,6 +32,8 @@ def loop_over(endpoint) -> RdmaFederation:
     fed = object.__new__(RdmaFederation)
     fed.endpoint, fed._store, fed._stop, fed.local = endpoint, Store(), False, ("arbiter", "10000")
     fed.announce = False  # descriptors: fate (the announced path: test_federation.py)
+    fed.cfg = RdmaFederationConfig(endpoints={"arbiter:10000": "127.0.0.1:1"})  # (its channel's pool_idle_s)
+    fed.put_copies = RecvBuffers(1 << 20)  # trimmed by the loop while idle
     return fed
 
 
