@@ -86,6 +86,7 @@ def test_damaged_frames_are_clear_errors():
     (0, "|O", (4,), "np", "names dtype object"),  # an object array would unpickle nothing, but is never a frame's
     (0, "|V8", (4,), "np", "names dtype"),
     (0, "not a dtype", (4,), "np", "names dtype 'not a dtype'"),
+    (0, ["<f8"], (4,), "np", "names dtype"),  # (unhashable: a dictionary lookup of it raised TypeError)
     (0, "<f8", (-1,), "np", "names shape"),
     (0, "<f8", (4, "4"), "np", "names shape"),
     (0, "<f8", (1 << 62, 1 << 62), "np", "outside"),  # (a product that wraps in int64 must not pass the bound check)

@@ -198,13 +198,13 @@ def _unpickler(base: Any) -> Any:
 
 def _dtype(name: str) -> np.dtype:
     """The numpy dtype a frame names (`dtype.str`, e.g. '<f8'), if a frame may carry it."""
-    dt = _DTYPES.get(name)
+    dt = _DTYPES.get(name) if type(name) is str else None
     if dt is None:
         try:
-            dt = np.dtype(name)
+            dt = np.dtype(name if type(name) is str else repr(name))  # (a forged non-string: not a dtype)
         except (TypeError, ValueError) as exc:
             raise IntegrityError(f"fate-rdma: array frame names dtype {name!r}: {exc}") from exc
-        if dt.kind not in _KINDS or dt.fields is not None:
+        if dt.kind not in _KINDS:
             raise IntegrityError(f"fate-rdma: array frame names dtype {dt}")
         if len(_DTYPES) < 64:  # (a peer naming ever new dtypes does not grow it)
             _DTYPES[name] = dt
