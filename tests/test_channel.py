@@ -46,10 +46,11 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
 def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
     """provider "soft" (same-host path between these processes), "soft-tcp" (that path off: TCP, as
     between hosts) or "pyverbs". FedRDMA-E slots start at one chunk, so most transfers here grow them.
-    Same-host FedRDMA-E keeps CHUNK too (same_host_chunk_bytes 0), so every leg cuts payloads alike (the
-    larger same-host chunk: test_same_host.py)."""
+    Same-host and soft-TCP FedRDMA-E keep CHUNK too (same_host_chunk_bytes, tcp_chunk_bytes 0), so every leg
+    cuts payloads alike (their larger chunks: test_same_host.py)."""
     base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=1 << 20, slot_initial_bytes=CHUNK, provider=provider,
-                window=4, no_progress_timeout_s=10, connect_timeout_s=10, same_host_chunk_bytes=0)
+                window=4, no_progress_timeout_s=10, connect_timeout_s=10, same_host_chunk_bytes=0,
+                tcp_chunk_bytes=0)
     if provider == "soft-tcp":
         base.update(provider="soft", same_host=False)
     base.update(kw)

@@ -547,3 +547,18 @@ def test_fedrdma_e_copies_same_host_payloads_in_larger_chunks():
     assert policy.slot_chunk_bytes(4 << 20, 32 << 20, same_host=True) == 32 << 20
     assert policy.slot_chunk_bytes(1 << 30, 32 << 20, same_host=True) == 1 << 30  # never smaller than configured
     assert policy.slot_chunk_bytes(4 << 20, 0, same_host=True) == 4 << 20  # 0: off
+
+
+def test_fedrdma_e_writes_larger_chunks_over_the_soft_providers_tcp_only():
+    assert policy.slot_chunk_bytes(4 << 20, 32 << 20, False, 16 << 20, short_tcp=True) == 16 << 20
+    assert policy.slot_chunk_bytes(4 << 20, 32 << 20, False, 16 << 20, short_tcp=False) == 4 << 20
+    assert policy.slot_chunk_bytes(4 << 20, 32 << 20, True, 16 << 20, short_tcp=False) == 32 << 20  # same host
+    assert policy.slot_chunk_bytes(64 << 20, 0, False, 16 << 20, short_tcp=True) == 64 << 20  # never smaller
+    assert policy.slot_chunk_bytes(4 << 20, 0, False, 0, short_tcp=True) == 4 << 20  # 0: off
+    assert policy.short_tcp_path(True, 0.0002)  # loopback, a LAN
+    assert not policy.short_tcp_path(True, 0.020)  # a long path keeps the paper's chunk
+    assert not policy.short_tcp_path(True, None)  # until the probe has measured it
+    assert not policy.short_tcp_path(False, 0.0002)  # RDMA, the link model
+    # the automatic window keeps the same bytes in flight with the larger chunk (not four times as many)
+    assert policy.window_for("auto", 10e9, 0.020, 16 << 20, 4, 64, "soft") == 10
+    assert policy.window_for("auto", 10e9, 0.020, 4 << 20, 4, 64, "soft") == 37

@@ -62,7 +62,8 @@ def test_link_enable_auto_is_off_on_the_same_host_path_only(mode, provider, link
     """Link-Enable's 4 KiB chunk brings a link up; "auto" leaves it out where the bytes are copied between
     processes of this host, keeps it over TCP, and a configured true is honoured everywhere."""
     tcp = provider == "soft-tcp"
-    c = cfg(mode, provider="soft", same_host=not tcp, link_enable=link_enable, same_host_chunk_bytes=1 << 20)
+    c = cfg(mode, provider="soft", same_host=not tcp, link_enable=link_enable, same_host_chunk_bytes=1 << 20,
+            tcp_chunk_bytes=0)
     data = np.random.default_rng(4).integers(0, 256, (3 << 20) + 8192, dtype=np.uint8)
     with Endpoint(c, name="rx") as rx, Endpoint(c, name="tx") as tx:
         info = tx.send(rx.address, data).result(60)
@@ -71,6 +72,28 @@ def test_link_enable_auto_is_off_on_the_same_host_path_only(mode, provider, link
         assert bytes(msg.view) == data.tobytes()
         msg.release()
     assert info["chunks"] == 4 + small  # three chunks of 1 MiB and the rest (8 KiB; 4 KiB and the 4 KiB one where on)
+
+
+@pytest.mark.parametrize("mode, link, chunk", [("fedrdma-e", None, 4 << 20), ("fedrdma-e", "rate=10gbit,rtt=1ms", 1 << 20),
+                                               ("fedrdma", None, 1 << 20)])
+def test_fedrdma_e_writes_tcp_chunks_over_the_soft_providers_tcp(mode, link, chunk):
+    """Over the soft provider's TCP (same_host off) on a short path FedRDMA-E writes tcp_chunk_bytes chunks; an
+    emulated link (it paces chunks as a wire) and FedRDMA (the peer's staging buffers hold chunk_bytes) keep
+    chunk_bytes. (A long path keeps it too: policy.short_tcp_path, tests/test_protocol.py.)"""
+    c = cfg(mode, same_host=False, link_enable=False, tcp_chunk_bytes=4 << 20, soft_link=link)
+    data = np.random.default_rng(5).integers(0, 256, (10 << 20) + 5, dtype=np.uint8)
+    with Endpoint(c, name="rx") as rx, Endpoint(c, name="tx") as tx:
+        conn = tx.connect(rx.address)
+        deadline = time.monotonic() + 30
+        while conn.probe.rtt_s is None:  # the larger chunk waits for the path to be measured short
+            assert time.monotonic() < deadline, "the RTT probe measured nothing within 30 s"
+            time.sleep(0.01)
+        info = tx.send(rx.address, data).result(60)
+        assert all(rc.qp.data_path == "tcp" for rc in tx.connect(rx.address).rcs)
+        msg = rx.recv(timeout=30)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+    assert info["chunks"] == -(-data.nbytes // chunk)
 
 
 def test_peer_killed_mid_transfer_on_the_same_host_path():

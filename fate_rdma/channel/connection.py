@@ -29,7 +29,8 @@ from ..config import ChannelConfig
 from ..errors import (ConfigError, FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
                       TransferCancelled, TransferError)
 from ..protocol.frames import MAX_META, CtrlKind, ErrorCode
-from ..protocol.policy import Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, window_for
+from ..protocol.policy import (Mode, choose_mode, first_chunk_bytes, path_rate_bps, qps_in_use, short_tcp_path,
+                               slot_chunk_bytes, window_for)
 from .completions import RECV_TAG, on_wc
 from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import ControlSender, RttProbe
@@ -39,7 +40,7 @@ from .auth import Identity
 from .handshake import bootstrap_closed, confirm_posted, negotiate
 from .layout import RECV_DEPTH, LocalMemory
 from .outgoing import Outgoing, Request, Wr
-from .posting import data_qp_cap, post_chunk, same_host_path
+from .posting import data_qp_cap, post_chunk, same_host_path, soft_tcp_path
 from .transfer import Fill, Message, Payload, TransferFuture
 from .turns import Turns
 
@@ -118,6 +119,8 @@ class Connection(Turns):
         confirm_posted(boot, t)
         #: the data QPs copy payloads by the soft provider's same-host path (fixed once they are connected)
         self.same_host_copy = same_host_path(self.rcs)
+        #: ... or over the soft provider's TCP streams with no link model (FedRDMA-E's larger chunk there)
+        self.soft_tcp = soft_tcp_path(ctx, self.rcs)
         if peer.staging is not None:
             st = self.remote.get("staging")
             if st is None or st.length < peer.staging.count * peer.staging.buf_bytes:
@@ -232,9 +235,17 @@ class Connection(Turns):
     def _rate_bps(self) -> float:
         return path_rate_bps(self.cfg.link_rate_bps, getattr(self.endpoint.ctx, "link_model", None))
 
-    def _window(self) -> int:
+    def slot_chunk(self) -> int:
+        """FedRDMA-E's chunk on this connection's path (policy.slot_chunk_bytes)."""
         cfg = self.cfg
-        return window_for(cfg.window, self._rate_bps(), self.probe.rtt_s or 0.0, cfg.chunk_bytes, cfg.min_auto_window,
+        return slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, self.same_host_copy,
+                                cfg.tcp_chunk_bytes, short_tcp_path(self.soft_tcp, self.probe.rtt_s))
+
+    def _window(self, chunk_bytes: int) -> int:
+        """Chunks in flight for chunks of `chunk_bytes` (the automatic window holds the same bytes whatever
+        the chunk)."""
+        cfg = self.cfg
+        return window_for(cfg.window, self._rate_bps(), self.probe.rtt_s or 0.0, chunk_bytes, cfg.min_auto_window,
                           cfg.max_window, self.endpoint.ctx.provider)
 
     def _start(self, o: Outgoing) -> bool:
@@ -250,7 +261,7 @@ class Connection(Turns):
             o.payload.close()
             o.fut.set_exception(exc)
             return True
-        w = self._window()
+        w = self._window(self.slot_chunk() if mode is Mode.FEDRDMA_E else cfg.chunk_bytes)
         le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), self.same_host_copy)
         common = dict(now=now, first_chunk_bytes=le,
                       no_progress_s=cfg.no_progress_timeout_s, total_s=cfg.transfer_timeout_s)

@@ -32,7 +32,6 @@ from .. import trace
 from ..errors import IntegrityError, RemoteProtocolError
 from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
 from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE
-from ..protocol.policy import slot_chunk_bytes
 from .buffers import clear
 from .checksum import block_checksums_async, payload_checksum_async, payload_digest, payload_digest_with
 from .handshake import PoolOffer
@@ -92,9 +91,8 @@ class SlotSender:
         if slot is None:
             return None
         o.slot = slot
-        tid, cfg = o.fut.transfer_id, self.conn.cfg
-        m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total,
-                             slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, self.conn.same_host_copy), window,
+        tid = o.fut.transfer_id
+        m = P.FedRdmaESender(tid, tid & 0xFFFF, slot, o.payload.total, self.conn.slot_chunk(), window,
                              slot_payload_bytes=self.offer.slot_payload_bytes, room_bytes=self.ring.capacity[slot],
                              header_after_all=self.conn.active_qps > 1, **common)
         if m.state is P.fedrdma.SendState.GROWING:

@@ -23,6 +23,13 @@ def same_host_path(rcs: List[ev.RCConnection]) -> bool:
     return bool(rcs) and all(str(getattr(rc.qp, "data_path", "")).startswith("same-host") for rc in rcs)
 
 
+def soft_tcp_path(ctx: ev.Context, rcs: List[ev.RCConnection]) -> bool:
+    """Do the data QPs `rcs` move payloads over the soft provider's TCP streams, with no link model (an
+    emulated link paces chunks as a wire would; TCP between sites does not)?"""
+    return (getattr(ctx, "provider", None) == "soft" and getattr(ctx, "link", None) is None and bool(rcs)
+            and all(str(getattr(rc.qp, "data_path", "")).startswith("tcp") for rc in rcs))
+
+
 def data_qp_cap(max_send_sge: int) -> ev.QPCap:
     """The capabilities of the channel's data QPs."""
     return ev.QPCap(max_send_wr=1024, max_recv_wr=RECV_DEPTH, max_send_sge=max_send_sge, max_recv_sge=1)

@@ -143,12 +143,28 @@ def qps_in_use(setting: Union[int, str], rtt_s: Optional[float], available: int)
     return auto_qps(rtt_s, available) if rtt_s is not None else 1
 
 
-def slot_chunk_bytes(chunk_bytes: int, same_host_chunk_bytes: int, same_host: bool) -> int:
-    """The chunk FedRDMA-E writes into a slot: chunk_bytes, or on a same-host path (the soft provider's
-    process_vm_readv copy) same_host_chunk_bytes if larger. There a chunk is only a unit of copying: 1 GiB
-    warm, 2 cores, checksum none: 4 MiB chunks 0.18 s, 16 MiB 0.13 s, 64 MiB 0.12 s. (FedRDMA's chunk
-    stays chunk_bytes: the peer's staging buffers hold one each.)"""
-    return max(chunk_bytes, same_host_chunk_bytes) if same_host else chunk_bytes
+def slot_chunk_bytes(chunk_bytes: int, same_host_chunk_bytes: int, same_host: bool,
+                     tcp_chunk_bytes: int = 0, short_tcp: bool = False) -> int:
+    """The chunk FedRDMA-E writes into a slot: chunk_bytes; on a same-host path (the soft provider's
+    process_vm_readv copy) same_host_chunk_bytes if larger, and on a short path over the soft provider's TCP
+    (`short_tcp`: short_tcp_path) tcp_chunk_bytes if larger. On both a chunk is only a unit of a copy or of a
+    TCP write and costs a request, an answer, thread switches and ~0.2 ms of Python on each side, which only
+    a fast path feels: 1 GiB warm, 2 cores, checksum none, same host: 4 MiB chunks 0.18 s, 16 MiB 0.13 s,
+    64 MiB 0.12 s; over loopback TCP against raw TCP (`bench transfer`, medians of 9 pairs, 2026-11-29):
+    4 MiB 0.86 / 0.87 x, 16 MiB 0.98 / 0.95 / 0.94 / 0.95 x, 32 MiB 0.97 / 1.01 x. (FedRDMA's chunk stays
+    chunk_bytes: the peer's staging buffers hold one each; an RDMA device, the link model and a long path
+    keep the paper's chunk.)"""
+    if same_host:
+        return max(chunk_bytes, same_host_chunk_bytes)
+    return max(chunk_bytes, tcp_chunk_bytes) if short_tcp else chunk_bytes
+
+
+def short_tcp_path(soft_tcp: bool, rtt_s: Optional[float]) -> bool:
+    """Is a connection over the soft provider's TCP streams with no link model (`soft_tcp`) a short path,
+    measured (`rtt_s`, None until the probe has) below LONG_PATH_RTT_S: a LAN or this host, where a chunk's
+    CPU shows. On a long one the wire's time per chunk dwarfs it, and a larger chunk would only make progress
+    (and the no-progress deadline) coarser on a slow link."""
+    return soft_tcp and rtt_s is not None and rtt_s < LONG_PATH_RTT_S
 
 
 def first_chunk_bytes(link_enable: object, rate_bps: float, same_host: bool = False) -> int:
