@@ -91,7 +91,8 @@ def render(rep: Dict[str, Any]) -> str:
                      f"{'on' if sh.get('shared_memory') else 'off'} ({sh.get('shared_memory_why', '')})")
         lines.append(f"              push (the sender copies WRITEs of {sh.get('push_min_bytes', 0) >> 20} MiB and more into a "
                      f"receiver's shared-memory slots itself, another process of this host): "
-                     f"{'on' if sh.get('push') else 'off'}; EASYPYVERBS_SOFT_PUSH=off turns it off")
+                     f"{'on' if sh.get('push') else 'off'}; a receiver takes it only while it copies another WRITE "
+                     f"(else it reads faster itself); EASYPYVERBS_SOFT_PUSH=always: every one, off: none")
     lines.append("              WRITEs into tracked MRs digested as they land (MR.track_writes: fate-rdma's "
                  "receive slots check crc32c/xxh3 with no second pass over all but the short last block)")
     from .providers.soft.responder import DEFERRED_ACK_S

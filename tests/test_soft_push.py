@@ -41,8 +41,11 @@ def targets(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("switch", ["auto", "off"])
+@pytest.mark.parametrize("switch", ["always", "auto", "off"])
 def test_a_large_write_into_a_peer_on_this_host_is_pushed_and_verified(monkeypatch, targets, switch):
+    """always: the receiver takes every push; auto (the default): only while it copies another WRITE, so
+    these WRITEs, one at a time, are each declined for themselves ("not this one") and read by the receiver,
+    the sender offering the next again; off: none offered."""
     monkeypatch.setenv("EASYPYVERBS_SOFT_PUSH", switch)  # (the peer, spawned after, inherits it)
     monkeypatch.setattr(R, "PUSH_PIECE_BYTES", 3 << 20)  # pieces that do not fall on the 4 MiB digest blocks
     c = cfg("fedrdma-e")
@@ -56,10 +59,12 @@ def test_a_large_write_into_a_peer_on_this_host_is_pushed_and_verified(monkeypat
                 rec = p.cmd({"cmd": "expect", "count": 1, "timeout_s": 60})["records"][0]
                 assert rec["nbytes"] == data.nbytes and rec["crc32c"] == crc32c.crc32c(data)
             assert all(rc.qp.data_path == SAME_HOST for rc in ep.connect(addr).rcs)
-            if switch == "auto":  # three WRITEs of at most 16 MiB per transfer, each copied in by this side
+            qp = ep.connect(addr).rcs[0].qp
+            if switch == "always":  # three WRITEs of at most 16 MiB per transfer, each copied in by this side
                 assert len(targets) == 6 and all(targets)
             else:
                 assert targets == []
+            assert qp._push is (switch != "off") and not qp._no_push_rkeys  # auto: still offered
     finally:
         p.close()
 
@@ -90,6 +95,7 @@ def test_placed_notes_past_the_write_fail_the_receivers_qp(monkeypatch, caplog):
         return None if got is None else (got[0], got[1] + got[1][:1], got[2])  # one note too many
 
     monkeypatch.setattr(R.Requester, "_push_target", lying)
+    monkeypatch.setenv("EASYPYVERBS_SOFT_PUSH", "always")  # (the peer, spawned after, takes every push)
     c = cfg("fedrdma-e", no_progress_timeout_s=5)
     p, addr = peer(c)
     try:
@@ -154,3 +160,15 @@ def test_doctor_says_whether_push_is_on(monkeypatch):
     monkeypatch.setenv("EASYPYVERBS_SOFT_PUSH", "off")
     assert doctor._same_host()["push"] is False
     assert "push (the sender copies WRITEs of 1 MiB and more" in doctor.render(doctor.report())
+
+
+def test_a_receiver_takes_a_push_only_while_it_copies_another_write(monkeypatch):
+    monkeypatch.delenv("EASYPYVERBS_SOFT_PUSH", raising=False)
+    with shm.placing() as others:
+        assert others == 0 and not shm.take_push(others)  # nothing else to copy: it reads the WRITE itself
+        with shm.placing() as more:
+            assert more == 1 and shm.take_push(more)  # busy copying another: the sender copies this one in
+    with shm.placing() as others:
+        assert others == 0  # the count went back down
+    monkeypatch.setenv("EASYPYVERBS_SOFT_PUSH", "always")
+    assert shm.take_push(0)

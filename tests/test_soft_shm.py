@@ -190,9 +190,10 @@ def test_channel_transfer_from_shared_memory_then_sender_killed_leaves_nothing_m
             with ep.recv(timeout=30) as msg:
                 assert bytes(msg.view[:4]) == b"\x01\x02\x03\x04" and msg.nbytes == 40 << 20
                 assert not np.frombuffer(msg.view, dtype=np.uint8)[4:].any()
-            # the sender's region, mapped by this side's responder: in FedRDMA mode, whose staging buffers are
-            # private; FedRDMA-E's slots are shared memory here, so the sender copied its chunks in itself (push)
-            assert _maps_settled(before + (mode == "fedrdma"), timeout_s=5) == before + (mode == "fedrdma")
+            # the sender's region, mapped by this side's responder, which read the chunks itself: FedRDMA's
+            # staging buffers are private, and FedRDMA-E's shared slots take a push only while this side copies
+            # another WRITE (shm.take_push; none here)
+            assert _maps_settled(before + 1, timeout_s=5) == before + 1
             p.cmd({"cmd": "send_shared", "address": ep.address, "nbytes": 256 << 20, "wait": False})
             time.sleep(0.05)
             os.kill(p.proc.pid, signal.SIGKILL)

@@ -104,6 +104,7 @@ class SoftQP(Requester, Responder, QP):
         self._push_regions: Optional[shm.PeerRegions] = None  # requester: the responder's regions we write into
         self._push_psn: Optional[int] = None  # requester: the WRITE whose PUSH_AT the send thread waits for
         self._push_at: Optional[Tuple[int, ...]] = None  # requester: that PUSH_AT's body, once it came
+        self._push_later = False  # requester: that PUSH_AT declined this WRITE only ("not this one")
         self._push_ok = False  # responder: the requester may copy large WRITEs into our shared memory
         self._defer_ack = False  # requester: requests no completion waits for may be answered later (wire.py)
         self._defer_ok = False  # responder: ... and we may answer them later

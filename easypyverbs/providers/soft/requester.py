@@ -275,7 +275,7 @@ class Requester:
             magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
             if kind == wire.PUSH_AT and magic == wire.RESP_MAGIC and version == wire.VERSION:
                 try:
-                    if not self._push_asked(rd, psn, length, delay):
+                    if not self._push_asked(rd, psn, length, delay, status == wire.PUSH_LATER):
                         self._fail(WCStatus.BAD_RESP_ERR, "unexpected PUSH_AT from peer")
                         return
                 except (OSError, wire.PeerClosed) as exc:
@@ -321,10 +321,10 @@ class Requester:
             self._no_push_rkeys.clear()
         self._no_push_rkeys.add(rkey)
 
-    def _push_asked(self, rd: wire.Reader, psn: int, length: int, delay: float) -> bool:
-        """The ack reader got PUSH_AT for `psn`: hand its body (empty: no push here) to the send thread, which
-        waits for it (the answer also acknowledges every request before that WRITE). False if nobody waits for
-        it."""
+    def _push_asked(self, rd: wire.Reader, psn: int, length: int, delay: float, later: bool = False) -> bool:
+        """The ack reader got PUSH_AT for `psn`: hand its body (empty: no push here, or with `later` not this
+        one) to the send thread, which waits for it (the answer also acknowledges every request before that
+        WRITE). False if nobody waits for it."""
         if length not in (0, wire.PUSH_AT_BODY.size):
             return False
         body = wire.PUSH_AT_BODY.unpack(rd.read(length)) if length else ()
@@ -334,7 +334,7 @@ class Requester:
             if self._push_psn != psn or idx is None:
                 return False
             earlier = [self._inflight.popleft() for _ in range(idx)]
-            self._push_at = body
+            self._push_at, self._push_later = body, later and not body
             self._tx_cv.notify_all()
         if earlier:
             self._complete_later(earlier, WCStatus.SUCCESS, delay)
@@ -348,9 +348,9 @@ class Requester:
             while (self._push_at is None and self._st == QPState.RTS and not self._closing
                    and any(w is wr for w in self._inflight)):
                 self._tx_cv.wait(1.0)  # (woken by the ack reader; the timeout only re-checks)
-            body, self._push_psn, self._push_at = self._push_at, None, None
+            body, later, self._push_psn, self._push_at, self._push_later = self._push_at, self._push_later, None, None, False
         if not body:  # answered without a push (or the QP is failing), or "no push here": not for this rkey again
-            if body is not None:
+            if body is not None and not later:  # ("not this one": the next is offered again)
                 self._no_push(wr.rkey)
             return
 

@@ -200,8 +200,6 @@ class Responder:
         QP failing) if the requester's memory cannot be read. `landing` (one target, a tracked MR's
         WRITE): place it piece by piece, each digested as soon as it is placed."""
         pieces = landing.pieces() if landing is not None else None
-        if push and pulled is not None and len(targets) == 1 and self._pushed(rd, targets[0], psn, landing, pieces):
-            return True
         if pulled is None:
             if landing is not None:
                 for at, n, _first in pieces:  # type: ignore[union-attr]
@@ -211,6 +209,14 @@ class Responder:
             for t in targets:
                 rd.read_into(t)
             return True
+        with shm.placing() as others:
+            if push and len(targets) == 1 and self._pushed(rd, targets[0], psn, landing, pieces, shm.take_push(others)):
+                return True
+            return self._read_pulled(rd, pulled, targets, due, psn, landing, pieces)
+
+    def _read_pulled(self, rd: wire.Reader, pulled: Pulled, targets: List[memoryview], due: float, psn: int,
+              landing: Optional[Landing], pieces: Optional[List[Tuple[int, int, bool]]]) -> bool:
+        """Copy a same-host request's payload from the requester's memory into `targets` (`_place`)."""
         try:
             src = pulled[1]
             if isinstance(src, tuple):  # a push declined: the region named, mapped now
@@ -226,20 +232,23 @@ class Responder:
         return True
 
     def _pushed(self, rd: wire.Reader, target: memoryview, psn: int, landing: Optional[Landing] = None,
-                pieces: Optional[List[Tuple[int, int, bool]]] = None) -> bool:
+                pieces: Optional[List[Tuple[int, int, bool]]] = None, take: bool = True) -> bool:
         """Ask the requester to copy a WRITE's payload into `target` itself (already checked: rkey, bounds,
-        access) where it lies in a shared region of ours (else an empty PUSH_AT: we read it ourselves):
+        access) where it lies in a shared region of ours and we `take` pushes now (shm.take_push; else an
+        empty PUSH_AT, "no push here" or, for a shared target, "not this one": we read it ourselves):
         PUSH_AT, then its PLACED notes, each the length of the prefix placed so far, growing to the whole (`landing`: each of its `pieces` digested as soon as a
         note covers it, while the requester copies on). True if it placed the payload; False if it declined
         (a first note of 0 bytes: read it as before) or no region holds `target`. Raises ProtocolViolation
         on anything but the notes owed (the QP fails)."""
         assert self._resp_line is None  # (no delayed answer that a PUSH_AT, sent at once, could overtake)
         region = shm.region_of([(address_of(target), target.nbytes)])
-        body = wire.PUSH_AT_BODY.pack(*region, os.getpid()) if region is not None else b""  # (empty: no push here)
+        later = region is not None and not take
+        # (empty: no push here, or with PUSH_LATER not this one, and the requester offers the next WRITE again)
+        body = wire.PUSH_AT_BODY.pack(*region, os.getpid()) if region is not None and take else b""
         with self._resp_lock:
-            wire.send_buffers(rd.sock, [wire.resp(wire.PUSH_AT, psn, WCStatus.SUCCESS, len(body))]
-                              + ([memoryview(body)] if body else []))
-        if region is None:
+            wire.send_buffers(rd.sock, [wire.resp(wire.PUSH_AT, psn, wire.PUSH_LATER if later else WCStatus.SUCCESS,
+                                                  len(body))] + ([memoryview(body)] if body else []))
+        if not body:
             return False
         placed, i = 0, 0
         while placed < target.nbytes:

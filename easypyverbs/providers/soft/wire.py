@@ -25,8 +25,10 @@ spans lie in one shared region of the requester (shm.py), the count's high bit i
 Push (same-host path, HELLO flag bit 1 both ways): a large WRITE request may also carry opcode bit 0x20,
 "I can copy this one myself". The responder checks it as any WRITE and answers PUSH_AT at once (a RESP,
 then PUSH_AT_BODY `!IQQQI`: the region's fd, inode, base address and size, and its pid) where the target
-lies in a shared region of its own, else an empty PUSH_AT ("no push here": it reads the payload itself as
-before, and the requester offers no push for that rkey again). The requester's send thread waits for that
+lies in a shared region of its own and it takes a push now (shm.take_push: only while it copies another WRITE
+already), else an empty PUSH_AT: "no push here" (status 0: it reads the payload itself as before, and the
+requester offers no push for that rkey again) or "not this one" (status PUSH_LATER, a shared target while the
+responder has nothing else to copy: it reads this payload itself, and the requester offers the next again). The requester's send thread waits for that
 answer; after a PUSH_AT with a body it checks the pid (it must hold the other end of this connection:
 samehost.peer_owns), copies the payload into its writable mapping of the region piece by piece, and after
 each piece sends PLACED (a REQ with opcode OP_PLACED, the WRITE's psn, and the length of the prefix placed
@@ -83,6 +85,7 @@ OP_NO_ACK = 0x10  # no completion waits for this request's answer: it may come l
 OP_MASK = 0x0F
 OP_PLACED = 5  # requester -> responder after PUSH_AT: the payload is in place (length), or not (0)
 ACK, NAK, READ_RESP, PUSH_AT = 1, 2, 3, 4
+PUSH_LATER = 1  # the status of an empty PUSH_AT that declines this WRITE only (the next may be pushed)
 HELLO_OK, HELLO_NO_QP, HELLO_BUSY, HELLO_BAD_TOKEN, HELLO_TLS_REQUIRED = 0, 1, 2, 3, 4
 TOKEN_BYTES = 16
 
