@@ -26,6 +26,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import ChannelConfig
+from ..protocol.policy import slot_chunk_bytes
 from ..hugepages import requested as huge_pages_requested, with_huge_pages, without_huge_pages
 from ..trace import ENV as TRACE_ENV
 from .fate_report import TIMERS, print_breakdowns, print_late_starts, verdicts
@@ -36,6 +37,17 @@ ROLES = ("guest", "host", "arbiter")
 PARTIES = ["guest:9999", "host:10000", "arbiter:10000"]
 #: the channel's chunk (the bench's configuration leaves chunk_bytes at its default)
 CHUNK = ChannelConfig().chunk_bytes
+
+
+def nominal_chunk(mode: str, data_path: str, soft_link: Optional[str]) -> int:
+    """The chunk fate-rdma's large messages go in on `data_path` with the default configuration (the table's
+    nominal count): FedRDMA-E's larger chunk on the same-host path and over the soft provider's TCP between
+    these processes (a short path, once probed), chunk_bytes under a link model and in FedRDMA."""
+    c = ChannelConfig()
+    if mode != "fedrdma-e" or soft_link:
+        return c.chunk_bytes
+    return slot_chunk_bytes(c.chunk_bytes, c.same_host_chunk_bytes, data_path == "same-host", c.tcp_chunk_bytes,
+                            short_tcp=data_path == "tcp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -407,7 +419,9 @@ def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, 
                     row.update(path=data_path, pair=pair + 1, malloc_huge_pages=huge,
                                descriptors=args.descriptors if method == "fate-rdma" else "-",
                                buffer_puts=args.buffer_puts if method == "fate-rdma" else "-",
-                               chunks_up=-(-row["up_bytes"] // CHUNK) if method == "fate-rdma" else None,
+                               chunk_bytes=nominal_chunk(args.mode, data_path, args.soft_link),
+                               chunks_up=-(-row["up_bytes"] // nominal_chunk(args.mode, data_path, args.soft_link))
+                               if method == "fate-rdma" else None,
                                fate_slices_up=-(-row["up_bytes"] // (1 << 20)))
                     emit(row)
                     rows.append(row)
@@ -423,7 +437,7 @@ def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, 
         r["size"] = human_bytes(r["up_bytes"]) + " up / " + human_bytes(r["down_bytes"]) + " down"
         r["peak_rss"] = human_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-"
     for r in rows:
-        r["chunks"] = (f"{r['chunks_up']} x {human_bytes(CHUNK)}" if r["method"] != "fate"
+        r["chunks"] = (f"~{r['chunks_up']} x {human_bytes(r.get('chunk_bytes') or CHUNK)}" if r["method"] != "fate"
                        else f"{r['fate_slices_up']} x 1 MiB slices")
     table(rows, ["payload", "scale", "method", "mode", "provider", "path", "descriptors", "size", "chunks", "pair", "rounds",
                  "round_comm_seconds", "peak_rss", "verified"])
