@@ -215,7 +215,7 @@ class Responder:
             return self._read_pulled(rd, pulled, targets, due, psn, landing, pieces)
 
     def _read_pulled(self, rd: wire.Reader, pulled: Pulled, targets: List[memoryview], due: float, psn: int,
-              landing: Optional[Landing], pieces: Optional[List[Tuple[int, int, bool]]]) -> bool:
+                     landing: Optional[Landing], pieces: Optional[List[Tuple[int, int, bool]]]) -> bool:
         """Copy a same-host request's payload from the requester's memory into `targets` (`_place`)."""
         try:
             src = pulled[1]
