@@ -116,8 +116,9 @@ class ChannelConfig:
     #: FedRDMA-E's chunk on the soft provider's TCP path with no link model (sites without RDMA NICs, or
     #: same_host off) once the RTT probe has measured a short path (< 10 ms: a LAN, this host): TCP cuts and
     #: resends the bytes, so a chunk is only a unit of a WRITE, and each costs a request, an ACK and ~0.2 ms of
-    #: Python on each side. 1 GiB over loopback TCP, checksum none, 2 cores: 4 MiB chunks 0.86-0.94 x raw TCP,
-    #: 32 MiB 0.96-1.01 x (`bench transfer`, docs/FIGURES.md). A long path, an RDMA device and the link model keep chunk_bytes.
+    #: Python at the sender (perf). 1 GiB over loopback TCP, checksum none, 2 cores: 4 MiB chunks 0.86-0.94 x raw
+    #: TCP, 32 MiB 0.96-1.01 x (`bench transfer`, docs/FIGURES.md). A long path, an RDMA device and the link model
+    #: keep chunk_bytes.
     #: At least chunk_bytes; 0 = chunk_bytes
     tcp_chunk_bytes: int = 32 * MiB
     #: progress bar for long transfers (CLI); off in library use

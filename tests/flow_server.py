@@ -20,7 +20,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Optional
 
-from fate_rdma.bench.fate_federation import free_ports
+from fate_rdma.bench.local import free_ports
 
 
 def free_port() -> int:

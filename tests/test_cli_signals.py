@@ -18,7 +18,7 @@ from pathlib import Path
 SCRIPT = r"""
 import signal, sys
 import fate_rdma.cli.bench as bench
-from fate_rdma.bench.fate_federation import run_group
+from fate_rdma.bench.local import run_group
 from fate_rdma.cli import main
 
 def run(args):

@@ -19,7 +19,7 @@ pytest.importorskip("fate_llm", reason="FATE-LLM is not installed; make test ins
 
 import yaml  # noqa: E402
 
-from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
+from fate_rdma.bench.local import free_ports  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flow_server import FlowServer  # noqa: E402

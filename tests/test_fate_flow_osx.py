@@ -26,7 +26,7 @@ pytest.importorskip("fate.arch.federation.backends.osx.osx_pb2_grpc", reason="FA
 import grpc  # noqa: E402
 import yaml  # noqa: E402
 
-from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
+from fate_rdma.bench.local import free_ports  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flow_server import FlowServer  # noqa: E402

@@ -20,7 +20,7 @@ from fate_rdma import errors as E  # noqa: E402
 from fate_rdma.federation import activate  # noqa: E402
 from fate_rdma.federation import wrapper as wrapper_mod  # noqa: E402
 from fate_rdma.federation.wrapper import DESC_MAGIC  # noqa: E402
-from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
+from fate_rdma.bench.local import free_ports  # noqa: E402
 
 from .conftest import require_same_host  # noqa: E402
 

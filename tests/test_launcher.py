@@ -175,7 +175,7 @@ def _launch(tmp_path, ports, dies):
 
 
 def test_a_launcher_job_whose_party_exits_before_reporting_stops(tmp_path):
-    from fate_rdma.bench.fate_federation import free_ports
+    from fate_rdma.bench.local import free_ports
 
     rc, out, said = _launch(tmp_path, free_ports(3), "host")
     assert rc == 1, out[-3000:]
@@ -183,7 +183,7 @@ def test_a_launcher_job_whose_party_exits_before_reporting_stops(tmp_path):
 
 
 def test_a_launcher_job_whose_party_cannot_open_its_endpoint_stops(tmp_path):
-    from fate_rdma.bench.fate_federation import free_ports
+    from fate_rdma.bench.local import free_ports
 
     ports = free_ports(3)
     taken = socket.socket()

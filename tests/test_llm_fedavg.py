@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("fate_llm", reason="FATE-LLM is not installed; make test installs it")
 pytest.importorskip("peft")
 
-from fate_rdma.bench.fate_federation import free_ports  # noqa: E402
+from fate_rdma.bench.local import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("guest", "host", "arbiter")

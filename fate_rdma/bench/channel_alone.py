@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .fate_federation import free_ports
+from .local import free_ports
 from .fate_job import FIRST_LEAD_S, START_LEAD_S, wait_until
 from .report import median
 

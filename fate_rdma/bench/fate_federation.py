@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +26,12 @@ from ..config import ChannelConfig
 from ..protocol.policy import slot_chunk_bytes
 from ..hugepages import requested as huge_pages_requested, with_huge_pages, without_huge_pages
 from ..trace import ENV as TRACE_ENV
+from .local import PARTIES, local_endpoints, run_group
 from .fate_report import TIMERS, print_breakdowns, print_late_starts, verdicts
 from .report import emit, human_bytes, median, table
 from .timeline import print_report as print_timeline
 
 ROLES = ("guest", "host", "arbiter")
-PARTIES = ["guest:9999", "host:10000", "arbiter:10000"]
 #: the channel's chunk (the bench's configuration leaves chunk_bytes at its default)
 CHUNK = ChannelConfig().chunk_bytes
 
@@ -135,52 +132,6 @@ def fitting_scale(per_byte: float, budget: int) -> float:
     return max(0.05, min(1.0, int(budget / full * 20) / 20))
 
 
-#: where free_ports looks first: below the kernel's ephemeral range (ip_local_port_range), from here up
-FIXED_PORTS_FROM = 20000
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_ports(n: int) -> List[int]:
-    """`n` distinct free TCP ports on 127.0.0.1 (all held while choosing, so none repeats), below the
-    kernel's ephemeral range where there is room: a port is bound some time after it is chosen (by
-    another process: a party, a broker), and one from the ephemeral range could be taken meanwhile by
-    any outgoing connection of this machine (a CI run failed so, EADDRINUSE at a party's endpoint)."""
-    low, rng = _ephemeral_low(), random.SystemRandom()
-    socks: List[socket.socket] = []
-    try:
-        for attempt in range(50 * n + 100):
-            if len(socks) == n:
-                break
-            s = socket.socket()
-            # past the tries (a crowded range): any free port the kernel gives
-            port = rng.randrange(FIXED_PORTS_FROM, low) if low - FIXED_PORTS_FROM > 4 * n and attempt < 50 * n else 0
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        if len(socks) < n:
-            raise OSError(f"no {n} free TCP ports on 127.0.0.1")
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def local_endpoints() -> Dict[str, str]:
-    """The `endpoints` of a fate_rdma section for guest, host and arbiter on this machine."""
-    return {p: f"127.0.0.1:{port}" for p, port in zip(PARTIES, free_ports(len(PARTIES)))}
-
-
-#: what the channel targets against it: fate-rdma's round within this factor of the channel alone
 def _channel_fields(args: argparse.Namespace, upload: int, data_path: str) -> Dict[str, Any]:
     """The ChannelConfig fields of the bench's fate-rdma jobs (and of the channel-alone baseline)."""
     fields: Dict[str, Any] = {"mode": args.mode, "provider": args.provider, "window": "auto",
@@ -252,23 +203,6 @@ def _job(method: str, out: str, conf: Optional[str], scale: float, lora_rank: in
         sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
         raise SystemExit(f"bench fate: the {method} job failed (exit {p.returncode}; no result from {missing})")
     return {r: json.load(open(os.path.join(out, f"{r}.json"))) for r in ROLES}
-
-
-def run_group(cmd: List[str], timeout: float, cwd: str, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """Run a FATE launcher job in its own process group, and take the whole group down if it overruns
-    or we are interrupted: the launcher's party processes would otherwise outlive it."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                         start_new_session=True, env=env)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except BaseException:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _row(method: str, res: Dict[str, Any], mode: str, scale: float, lora_rank: int) -> Dict[str, Any]:
@@ -414,14 +348,13 @@ def _run(args: argparse.Namespace, methods: List[str], cases: List[Tuple[float, 
                         shutil.rmtree(traced, ignore_errors=True)
                     res = _job(method, out, conf, scale, rank, rounds, args.timeout, traced, args.huge_pages)
                     row = _row(method, res, args.mode, scale, rank)
+                    chunk = nominal_chunk(args.mode, data_path, args.soft_link)
                     if traced:
                         print_timeline(traced, 1 << 20, f" of the fate-rdma job, path {data_path}, pair {pair + 1}")
                     row.update(path=data_path, pair=pair + 1, malloc_huge_pages=huge,
                                descriptors=args.descriptors if method == "fate-rdma" else "-",
                                buffer_puts=args.buffer_puts if method == "fate-rdma" else "-",
-                               chunk_bytes=nominal_chunk(args.mode, data_path, args.soft_link),
-                               chunks_up=-(-row["up_bytes"] // nominal_chunk(args.mode, data_path, args.soft_link))
-                               if method == "fate-rdma" else None,
+                               chunk_bytes=chunk, chunks_up=-(-row["up_bytes"] // chunk) if method == "fate-rdma" else None,
                                fate_slices_up=-(-row["up_bytes"] // (1 << 20)))
                     emit(row)
                     rows.append(row)

@@ -241,12 +241,13 @@ class Connection(Turns):
         return slot_chunk_bytes(cfg.chunk_bytes, cfg.same_host_chunk_bytes, self.same_host_copy,
                                 cfg.tcp_chunk_bytes, short_tcp_path(self.soft_tcp, self.probe.rtt_s))
 
-    def _window(self, chunk_bytes: int) -> int:
-        """Chunks in flight for chunks of `chunk_bytes` (the automatic window holds the same bytes whatever
-        the chunk)."""
+    def window(self, fedrdma_e: bool) -> Tuple[int, int]:
+        """(chunks in flight, chunk bytes) for a transfer in FedRDMA-E (`fedrdma_e`) or FedRDMA: the automatic
+        window holds the same bytes whatever the chunk."""
         cfg = self.cfg
-        return window_for(cfg.window, self._rate_bps(), self.probe.rtt_s or 0.0, chunk_bytes, cfg.min_auto_window,
-                          cfg.max_window, self.endpoint.ctx.provider)
+        chunk = self.slot_chunk() if fedrdma_e else cfg.chunk_bytes
+        return window_for(cfg.window, self._rate_bps(), self.probe.rtt_s or 0.0, chunk, cfg.min_auto_window,
+                          cfg.max_window, self.endpoint.ctx.provider), chunk
 
     def _start(self, o: Outgoing) -> bool:
         """Make `o` the active transfer; False if it must wait (no free slot yet)."""
@@ -261,7 +262,7 @@ class Connection(Turns):
             o.payload.close()
             o.fut.set_exception(exc)
             return True
-        w = self._window(self.slot_chunk() if mode is Mode.FEDRDMA_E else cfg.chunk_bytes)
+        w, _chunk = self.window(mode is Mode.FEDRDMA_E)
         le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), self.same_host_copy)
         common = dict(now=now, first_chunk_bytes=le,
                       no_progress_s=cfg.no_progress_timeout_s, total_s=cfg.transfer_timeout_s)

@@ -173,6 +173,5 @@ def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
         conn.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
     elif c.kind is CtrlKind.PROBE_REPLY:
         if conn.probe.on_reply(int(c.value), clock()):
-            chunk = conn.slot_chunk() if conn.cfg.mode == "fedrdma-e" else conn.cfg.chunk_bytes
             log.info("connection to %s: RTT %.3f ms, window %d of %d-byte chunks", conn.peer, conn.probe.rtt_s * 1e3,
-                     conn._window(chunk), chunk)  # type: ignore[operator]
+                     *conn.window(conn.cfg.mode == "fedrdma-e"))  # type: ignore[operator]

@@ -138,7 +138,7 @@ def _lora_job(args: argparse.Namespace) -> bool:
     import sys
     import tempfile
 
-    from ..bench.fate_federation import PARTIES, local_endpoints, run_group
+    from ..bench.local import PARTIES, local_endpoints, run_group
 
     print(f"[1] GPT-2 ({'124M' if args.model == 'gpt2' else 'tiny'}) + LoRA r={args.lora_rank}, FedAvg with FATE-LLM, guest + host + arbiter, "
           f"{args.rounds} rounds, over fate-rdma", flush=True)

@@ -148,7 +148,7 @@ def slot_chunk_bytes(chunk_bytes: int, same_host_chunk_bytes: int, same_host: bo
     """The chunk FedRDMA-E writes into a slot: chunk_bytes; on a same-host path (the soft provider's
     process_vm_readv copy) same_host_chunk_bytes if larger, and on a short path over the soft provider's TCP
     (`short_tcp`: short_tcp_path) tcp_chunk_bytes if larger. On both a chunk is only a unit of a copy or of a
-    TCP write and costs a request, an answer, thread switches and ~0.2 ms of Python on each side, which only
+    TCP write and costs a request, an answer, thread switches and ~0.2 ms of Python at the sender (perf), which only
     a fast path feels: 1 GiB warm, 2 cores, checksum none, same host: 4 MiB chunks 0.18 s, 16 MiB 0.13 s,
     64 MiB 0.12 s; over loopback TCP against raw TCP (`bench transfer`, medians of 9 pairs, 2026-11-29):
     4 MiB 0.86 / 0.87 x, 16 MiB 0.98 / 0.95 / 0.94 / 0.95 x, 32 MiB 0.97 / 1.01 x. (FedRDMA's chunk stays
