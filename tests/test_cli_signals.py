@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 # `fate-rdma bench` whose run starts a job group (a shell and its sleeping child, as a FATE launcher and its
 # parties) with the same run_group bench fate and the demo use, then waits on it
 SCRIPT = r"""
@@ -75,3 +77,49 @@ def test_sigterm_stops_the_job_group_and_says_so(tmp_path: Path) -> None:
             except ProcessLookupError:
                 pass
 
+
+
+# a job whose process spawns a child holding a multiprocessing lock (FATE's launcher spawns its parties so):
+# the lock is a named POSIX semaphore, /dev/shm/sem.mp-*, that only multiprocessing's resource tracker
+# unlinks when the processes die without their own clean-up
+SPAWNED = r"""
+import multiprocessing as mp, sys, time
+
+def child(lock):
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    lock = ctx.Lock()
+    ctx.Process(target=child, args=(lock,)).start()
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(lock._semlock.name)
+    import os; os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(600)
+"""
+
+
+def test_a_stopped_job_group_leaves_no_semaphore_in_dev_shm(tmp_path: Path) -> None:
+    from fate_rdma.bench.local import stop_group
+
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "sem")], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "sem").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sem = Path("/dev/shm") / ("sem." + (tmp_path / "sem").read_text().lstrip("/"))
+        assert sem.exists(), f"{sem} should be there while the job runs"
+        stop_group(p)
+        assert p.returncode is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)  # nothing of the group is left
+        deadline = time.monotonic() + 10  # (the tracker unlinks it as it exits, after the others)
+        while sem.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sem.exists(), f"{sem} was left in /dev/shm"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -47,7 +47,8 @@ from dataclasses import asdict
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import ConfigError
-from ..llm.sweep import (FIXED, Settings, SweepError, free_endpoints, parse_ranks, read_meta, sweep,
+from ..bench.local import local_endpoints
+from ..llm.sweep import (FIXED, Settings, SweepError, parse_ranks, read_meta, sweep,
                          utc_stamp)
 
 
@@ -125,7 +126,7 @@ def load_section(path: str) -> Dict[str, Any]:
     if section is None:
         raise SweepError(f"--conf {path}: no fate_rdma section")
     section = {k: v for k, v in section.items() if k != "endpoints"}
-    RdmaFederationConfig.from_section({**section, "endpoints": free_endpoints()})  # fail early, on our side
+    RdmaFederationConfig.from_section({**section, "endpoints": local_endpoints()})  # fail early, on our side
     return section
 
 

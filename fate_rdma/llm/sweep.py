@@ -17,19 +17,17 @@ import json
 import os
 import platform
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..bench.local import PARTIES, local_endpoints, stop_group
 from ..errors import ConfigError
 
 DEFAULT_RANKS = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ROLES = ("guest", "host", "arbiter")
-PARTIES = ("guest:9999", "host:10000", "arbiter:10000")
 LINK = "loopback, one host (guest, host and arbiter on this machine)"
 LOSS_KIND = ("training loss of each client: mean over the round's local steps (Trainer log, logging_strategy "
              "epoch), before the round's average is applied")
@@ -83,17 +81,6 @@ def parse_ranks(text: str) -> List[int]:
     if not ranks or min(ranks) < 1:
         raise SweepError(f"--ranks wants positive LoRA ranks, got {text!r}")
     return ranks
-
-
-def free_endpoints() -> Dict[str, str]:
-    socks = [socket.socket() for _ in PARTIES]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return {p: f"127.0.0.1:{s.getsockname()[1]}" for p, s in zip(PARTIES, socks)}
-    finally:
-        for s in socks:
-            s.close()
 
 
 def machine() -> str:
@@ -185,7 +172,7 @@ def job_command(s: Settings, rank: int, transport: str, job_dir: str, script: st
     if transport == "fate-rdma":
         conf = os.path.join(job_dir, "fate_rdma.json")
         with open(conf, "w") as f:
-            json.dump({"fate_rdma": {**s.section, "provider": s.provider, "endpoints": free_endpoints()}}, f, indent=1)
+            json.dump({"fate_rdma": {**s.section, "provider": s.provider, "endpoints": local_endpoints()}}, f, indent=1)
         cmd += ["-m", "fate_rdma.cli", "launch", "--conf", conf]
     cmd += [script, "--parties", *PARTIES, "--log_level", "WARNING", "--model", s.model, "--lora_rank", str(rank),
             "--rounds", "x" if fail else str(s.rounds), "--steps_per_round", str(s.steps_per_round),
@@ -210,19 +197,11 @@ def run_job(cmd: List[str], cwd: str, log_path: str, timeout_s: float) -> Dict[s
         except subprocess.TimeoutExpired:
             timed_out = True
         except BaseException:
-            _kill_group(p)
+            stop_group(p)
             raise
         if timed_out:
-            _kill_group(p)
+            stop_group(p)
     return {"returncode": p.returncode, "timed_out": timed_out, "seconds": time.monotonic() - t0}
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 def log_tail(path: str, chars: int = LOG_TAIL_CHARS) -> tuple:
