@@ -457,14 +457,15 @@ def test_buffer_puts_auto_on_loopback_copies_small_puts_only(guest):
     from fate_rdma.federation.config import PUT_COPY_SMALL_BYTES
 
     eps = endpoints()
-    ctx, fed, host = guest(section(eps), section(eps), "s9a", names="w,w2,small")
-    big = [np.random.default_rng(4).standard_normal(1_200_000)]  # 9.6 MB
+    room = {"slot_bytes": 32 << 20}  # (puts past PUT_COPY_SMALL_BYTES need slots past the tests' 16 MiB)
+    ctx, fed, host = guest(section(eps, **room), section(eps, **room), "s9a", names="w,w2,small")
+    big = [np.random.default_rng(4).standard_normal(2_400_000)]  # 19.2 MB
     assert big[0].nbytes > PUT_COPY_SMALL_BYTES
     ctx.hosts[0].put("w", big)
     ctx.hosts[0].put("w2", big)
     w = fed.fate_rdma
     assert w.stats["buffered_puts"] == 0 and not w._inflight and w.put_copies.fresh_bytes == 0
-    small = [np.random.default_rng(5).standard_normal(200_000)]  # 1.6 MB: copied, the put returns at once
+    small = [np.random.default_rng(5).standard_normal(1_200_000)]  # 9.6 MB: copied, the put returns at once
     ctx.hosts[0].put("small", small)
     assert w.stats["buffered_puts"] == 1 and w.put_copies.fresh_bytes >= small[0].nbytes
     assert w.flush(10) and w._inflight_bytes == 0
@@ -498,13 +499,16 @@ def test_put_copies_unused_for_the_idle_time_are_let_go_of(guest):
 
 def test_buffer_puts_auto_copies_a_put_to_a_distant_peer(guest):
     """Over the soft provider's link model (20 ms round trip, emulated): once the connection has measured
-    its round trip, a put of 12 MB (past PUT_COPY_SMALL_BYTES) is copied and returns at once (its copy costs
+    its round trip, a put of 18.4 MB (past PUT_COPY_SMALL_BYTES) is copied and returns at once (its copy costs
     less than the wait); the first put, before any round trip is known, waits for its bytes."""
+    from fate_rdma.federation.config import PUT_COPY_BYTES_PER_S, PUT_COPY_SMALL_BYTES
+
     eps = endpoints()
-    link = {"soft_link": "rate=10gbit,rtt=20ms"}
+    link = {"soft_link": "rate=10gbit,rtt=20ms", "slot_bytes": 32 << 20}
     ctx, fed, host = guest(section(eps, **link), section(eps, **link), "s9w", names="w,w2")
     w = fed.fate_rdma
-    big = [np.random.default_rng(4).standard_normal(1_500_000)]
+    big = [np.random.default_rng(4).standard_normal(2_300_000)]
+    assert PUT_COPY_SMALL_BYTES < big[0].nbytes < 0.020 * PUT_COPY_BYTES_PER_S
     ctx.hosts[0].put("w", big)
     assert w.stats["buffered_puts"] == 0  # no round trip measured when it was put
     assert not w.endpoint.connect(eps["host:10000"]).near and w.endpoint.round_trip_s(eps["host:10000"]) >= 0.02

@@ -19,7 +19,7 @@
                                  # its bytes go in the background (true), or waits until they have arrived
                                  # (false, no copy); auto: copies a put whose copy costs less than the round trip
                                  # to its parties (bytes <= RTT x PUT_COPY_BYTES_PER_S), as small payloads on a WAN,
-                                 # and every put of at most 4 MiB (PUT_COPY_SMALL_BYTES), on any link
+                                 # and every put of at most 16 MiB (PUT_COPY_SMALL_BYTES), on any link
       put_buffer_bytes: 1073741824  # buffered bytes in flight at most (then a put waits); 0: no put is buffered
       endpoints:                 # (role, party_id) -> host:port of that party's fate-rdma endpoint
         guest:9999: 10.0.0.1:18600
@@ -47,15 +47,17 @@ FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_tim
 #: over a 20 ms link the copy of LoRA rank 4 and 32 won by 30-40 ms a round and stopped paying from rank 128,
 #: 72 MiB, up)
 PUT_COPY_BYTES_PER_S = 1e9
-#: what `buffer_puts: auto` copies whatever the round trip (one default chunk): a put that waits for its bytes
-#: pays, besides the round trip, a transfer's fixed costs at both ends (framing, the receiver's verdict, thread
-#: hand-offs: 2-5 ms a transfer on the 2-core test machine), and a party that puts to several parties in turn
-#: (FATE's SecureAggregatorServer, the average to each client) pays them once per party; copied, such puts
-#: return at once and their transfers overlap. Up to a chunk, the fixed costs outweigh the bytes. Measured
-#: there (2026-11-29, `bench fate --lora-ranks`, against no copy on loopback, three alternations per path,
-#: docs/FIGURES.md): rank 4 (puts of 1.2 and 2.4 MB) 0.91 x over TCP and 0.93 x on the same host, rank 8
-#: (its 2.4 MB downloads copied) 0.86 x and 0.97 x; copying the 4.7 MB downloads of rank 16 too gained nothing
-PUT_COPY_SMALL_BYTES = 4 << 20
+#: what `buffer_puts: auto` copies whatever the round trip: a put that waits for its bytes pays, besides the
+#: round trip, a transfer's fixed costs at both ends (framing, the receiver's verdict, thread hand-offs: 2-5 ms
+#: a transfer on the 2-core test machine) and the sending of the caller's many separate arrays, and a party
+#: that puts to several parties in turn (FATE's SecureAggregatorServer, the average to each client) pays them
+#: once per party; copied into one recycled buffer, such puts return at once and their transfers overlap.
+#: Measured there (`bench fate --lora-ranks`, floors alternated, medians; docs/FIGURES.md): a 4 MiB floor
+#: (2026-11-29 morning) took rank 4's rounds to 0.91 x over TCP and 0.93 x on the same host; 16 MiB (rank 8's
+#: and 16's uploads, 4.7 and 9.4 MB, copied too; 2026-11-29 evening) took rank 8's to 0.85 x over TCP and 0.88 x
+#: on the same host and rank 16's to 0.84 x and 0.78 x, rank 32 (18.9 MB uploads, not copied) unchanged;
+#: 32 MiB gained nothing more over TCP
+PUT_COPY_SMALL_BYTES = 16 << 20
 
 
 #: the longest wait a timeout may ask for (a year; Python's own limit is threading.TIMEOUT_MAX)
