@@ -78,12 +78,11 @@ def test_sigterm_stops_the_job_group_and_says_so(tmp_path: Path) -> None:
                 pass
 
 
-
-# a job whose process spawns a child holding a multiprocessing lock (FATE's launcher spawns its parties so):
-# the lock is a named POSIX semaphore, /dev/shm/sem.mp-*, that only multiprocessing's resource tracker
-# unlinks when the processes die without their own clean-up
+# a job whose process spawns a child holding a multiprocessing lock (FATE's multiprocess launcher starts its
+# parties with spawn): the lock is a named POSIX semaphore, /dev/shm/sem.mp-*, that only multiprocessing's
+# resource tracker unlinks when the processes die without their own clean-up
 SPAWNED = r"""
-import multiprocessing as mp, sys, time
+import multiprocessing as mp, os, sys, time
 
 def child(lock):
     time.sleep(600)
@@ -94,7 +93,7 @@ if __name__ == "__main__":
     ctx.Process(target=child, args=(lock,)).start()
     with open(sys.argv[1] + ".tmp", "w") as f:
         f.write(lock._semlock.name)
-    import os; os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
     time.sleep(600)
 """
 
