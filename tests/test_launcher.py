@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -169,8 +168,9 @@ def _launch(tmp_path, ports, dies):
         out, _ = p.communicate(timeout=240)
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            from fate_rdma.bench.local import stop_group
+
+            stop_group(p)  # (SIGTERM first: the spawned parties' semaphores are unlinked, not left in /dev/shm)
     return p.returncode, out, " ".join(out.replace("│", " ").split())  # rich wraps and boxes the message
 
 
