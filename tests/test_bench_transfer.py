@@ -56,3 +56,19 @@ def test_a_loopback_row_over_a_devices_verbs_is_held_to_the_verbs_target_and_nam
     assert ("loopback, data path verbs (checksum xxh3) [rxe: kernel verbs without RDMA hardware]: fedrdma-e / raw TCP "
             "throughput = 0.83 (against the raw TCP row) (target >= 0.8); fedrdma-e / gRPC stream = 1.67 (target >= 2)") in out
     assert "RDMA figure" not in out
+
+
+def test_a_fedrdma_e_row_is_compared_with_raw_tcp_paying_for_the_same_check(capsys):
+    """The checked baseline's line names the check and both ratios; a row with another check gets none."""
+    rows = [dict(_row("raw_tcp", 0.25, 0.2, 0.2), scenario="loopback-tcp", window=None, emulated=False),
+            dict(_row("raw_tcp_checked", 0.3125, 0.25, 0.25), scenario="loopback-tcp", window=None, emulated=False,
+                 checksum="xxh3"),
+            dict(_row("fedrdma-e", 0.4, 0.3, 0.3), scenario="loopback-tcp", window="auto (4)", path="tcp", emulated=True,
+                 label="soft (emulated verbs over TCP)", checksum="xxh3")]
+    transfer._verdicts(rows, 10**9, 3)
+    out = capsys.readouterr().out
+    assert ("loopback-tcp, data path tcp [soft provider: emulated verbs, not an RDMA figure]: fedrdma-e / raw TCP with the "
+            "same xxh3 check on both sides = 0.78 (against that row, 0.312 s; it reaches 0.80 x raw TCP's throughput)") in out
+    rows[2]["checksum"] = "crc32c"
+    transfer._verdicts(rows, 10**9, 3)
+    assert "with the same" not in capsys.readouterr().out

@@ -66,15 +66,15 @@ def test_bench_verbs_lines_are_labelled():
 
 
 def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():
-    from fate_rdma.bench.transfer import _paired
+    from fate_rdma.bench.baselines import paired as _paired
 
     # the median of the pairs' ratios, not the ratio of the medians (2 / 2 here)
     assert _paired({"paired": [1.0, 2.0, 6.0], "times": [2.0, 4.0, 2.0]}) == \
         {"paired_raw_tcp_seconds": 2.0, "x_raw_tcp": 0.5}
     assert _paired({"paired": [], "times": [1.0]}) == {}
     base = [sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--payload-mib", "4", "--reps", "2",
-            "--scenarios", "loopback-tcp,link-10g-20ms", "--methods", "raw_tcp,fedrdma-e", "--windows", "auto"]
-    for extra, paired in (([], True), (["--unpaired"], False)):
+            "--scenarios", "loopback-tcp,link-10g-20ms", "--methods", "raw_tcp,raw_tcp_checked,fedrdma-e", "--windows", "auto"]
+    for extra, paired in (([], True), (["--unpaired", "--checksum", "none"], False)):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stdout + out.stderr
         rows = {(r["scenario"], r["method"]): r
@@ -82,11 +82,16 @@ def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():
         e, raw = rows[("loopback-tcp", "fedrdma-e")], rows[("loopback-tcp", "raw_tcp")]
         assert "x_raw_tcp" not in rows[("link-10g-20ms", "fedrdma-e")]  # the link model has no raw TCP to pair
         block = f"{raw['seconds'] / e['seconds']:.2f}"
-        if paired:
+        checked = rows[("loopback-tcp", "raw_tcp_checked")]
+        if paired:  # (xxh3, the default: raw TCP with the same check beside it)
+            assert checked["checksum"] == "xxh3" and checked["seconds"] > 0 and checked["cpu_recv_s_per_gb"] > 0
+            assert f"fedrdma-e / raw TCP with the same xxh3 check on both sides = " \
+                f"{checked['seconds'] / e['seconds']:.2f}" in out.stdout
             assert e["x_raw_tcp"] > 0 and e["paired_raw_tcp_seconds"] > 0
             assert f"{e['x_raw_tcp']:.2f} (median of 2 pairs, each beside a raw TCP transfer; {block} against the " \
                 "raw TCP row) (target >= 0.95)" in out.stdout
-        else:
+        else:  # (no checksum: nothing for raw TCP to pay for)
+            assert "seconds" not in checked and "skipped raw_tcp_checked: raw TCP has no none check" in out.stdout
             assert "x_raw_tcp" not in e and "median of" not in out.stdout
             assert f"{block} (against the raw TCP row) (target >= 0.95)" in out.stdout
 

@@ -10,6 +10,8 @@ from typing import Any, Dict, Optional
 
 import easypyverbs as ev
 
+from . import checked_tcp
+
 
 class PeerProcess:
     """A `fate_rdma.bench.peer` child process and its bootstrap connection."""
@@ -107,28 +109,33 @@ class RawTcp:
         if not peer.conn.recv(60).get("ok"):
             raise RuntimeError("raw TCP peer failed to connect")
 
-    def stream(self, payload: memoryview, msg_bytes: int, total_bytes: int, peer_buf_bytes: int) -> float:
+    def stream(self, payload: memoryview, msg_bytes: int, total_bytes: int, peer_buf_bytes: int,
+               check: Optional[str] = None) -> float:
         """Seconds to move `total_bytes` in `msg_bytes` sendalls until the peer acknowledges.
 
         Offsets wrap through `payload` and the peer's `peer_buf_bytes` buffer exactly as
-        `stream_writes` wraps through the MRs, so both touch the same memory.
+        `stream_writes` wraps through the MRs, so both touch the same memory. With `check` (crc32c,
+        xxh3): `payload` once, each piece digested on both sides and compared (checked_tcp.py).
         """
-        self.peer.conn.send({"cmd": "raw", "msg_bytes": msg_bytes, "total_bytes": total_bytes, "buf_bytes": peer_buf_bytes})
+        self.peer.conn.send({"cmd": "raw", "msg_bytes": msg_bytes, "total_bytes": total_bytes, "buf_bytes": peer_buf_bytes,
+                             "check": check})
         if self.sock.recv(1) != b"r":
             raise RuntimeError("raw TCP peer not ready")
         t0 = time.perf_counter()
         off = 0
+        if check:
+            checked_tcp.send(self.sock, payload[:total_bytes], check)
+            off = total_bytes
         while off < total_bytes:
             n = min(msg_bytes, total_bytes - off)
             s_off = off % (payload.nbytes - n + 1)
             self.sock.sendall(payload[s_off : s_off + n])
             off += n
-        if self.sock.recv(1) != b"k":
-            raise RuntimeError("raw TCP peer did not acknowledge")
+        ack = self.sock.recv(1)
         dt = time.perf_counter() - t0
         reply = self.peer.conn.recv(60)
-        if not reply.get("ok"):
-            raise RuntimeError(f"raw TCP peer failed: {reply.get('error')}")
+        if ack != b"k" or not reply.get("ok"):
+            raise RuntimeError(f"raw TCP peer failed: {reply.get('error') or 'no acknowledgement'}")
         return dt
 
     def close(self) -> None:

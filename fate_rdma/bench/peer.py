@@ -4,8 +4,9 @@
 
 Commands (JSON over the bootstrap connection):
 - {"cmd": "raw_connect", "port"}: open the raw TCP baseline's connection (kept for all runs).
-- {"cmd": "raw", "msg_bytes", "total_bytes", "buf_bytes"}: receive `total_bytes` on it with
-  recv_into (the raw TCP baseline), then answer one byte.
+- {"cmd": "raw", "msg_bytes", "total_bytes", "buf_bytes"[, "check"]}: receive `total_bytes` on it with
+  recv_into (the raw TCP baseline), then answer one byte; with "check" (crc32c, xxh3) each piece
+  digested as it lands and the sender's digests compared (checked_tcp.py).
 - {"cmd": "verbs", "provider", "link", "mr_bytes", "recvs"}: open a device, register `mr_bytes`
   for REMOTE_WRITE, connect an RC QP (establish), post `recvs` zero-length receives for WRITE_WITH_IMM.
 - {"cmd": "verify", "nbytes", "timeout_s"}: wait for one WRITE_WITH_IMM completion, then answer the
@@ -26,6 +27,8 @@ import numpy as np
 
 import easypyverbs as ev
 
+from . import checked_tcp
+
 
 class _RawReceiver:
     """The raw TCP baseline's receiving end: one persistent connection, a pre-touched buffer."""
@@ -44,10 +47,16 @@ class _RawReceiver:
         """Receive like the verbs path does: into a buffer of `buf_bytes` at wrapping offsets."""
         assert self.sock is not None, "raw before raw_connect"
         size = int(cmd["buf_bytes"])
+        if cmd.get("check") and int(cmd["total_bytes"]) > size:
+            return {"ok": False, "error": f"a checked transfer of {cmd['total_bytes']} bytes into {size}"}
         if self.buf.nbytes != size:
             self.buf = memoryview(np.ones(size, dtype=np.uint8)).cast("B")
         msg, total = int(cmd["msg_bytes"]), int(cmd["total_bytes"])
         self.sock.sendall(b"r")  # ready: the sender starts its clock after this
+        if cmd.get("check"):
+            error = checked_tcp.receive(self.sock, self.buf[:total], str(cmd["check"]))
+            self.sock.sendall(b"x" if error else b"k")
+            return {"ok": False, "error": error} if error else {"ok": True}
         off = 0
         while off < total:
             n = min(msg, total - off)

@@ -22,7 +22,10 @@ with the `mooncake` extra missing its rows say so and how to install it. `cpu_se
 `cpu_recv_s_per_gb`: CPU seconds (user + system, every thread) of the sending and the receiving
 process over the measured transfer, per GB moved (medians): what the method costs the two hosts,
 which wall time on a shared machine hides (a method that busy-polls spends CPU while it waits).
-The raw TCP, gRPC and Mooncake rows run once, under the first loopback scenario asked for. With raw_tcp
+`raw_tcp_checked`: raw TCP once more with the channel's check (`--checksum`: crc32c or xxh3) done as cheaply
+as Python can, each piece digested on both sides by the thread that moves it (checked_tcp.py): what the
+check costs on this machine, a baseline for a channel row that pays for it too. The raw TCP, gRPC and
+Mooncake rows run once, under the first loopback scenario asked for. With raw_tcp
 among the methods, every fedrdma/fedrdma-e transfer on loopback is paired with a raw TCP transfer of the
 same payload, run right before it in odd repetitions and right after it in even ones (each method's
 transfer follows the other's equally often; not with `--unpaired`), and its row's `x_raw_tcp` is the
@@ -44,9 +47,8 @@ import contextlib
 import os
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
-import crc32c
 import numpy as np
 
 from ..channel import Endpoint
@@ -58,8 +60,9 @@ from ..channel.transfer import Fill
 from ..config import ChannelConfig
 from ..protocol.integrity import BLOCK_BYTES
 from . import mooncake
+from .baselines import PAYLOAD_SEED, pair as pair_raw, paired, run_baselines
 from .cpu import ceiling as cpu_ceiling, cpu_s, per_gb, usable_cores
-from .driver import PeerProcess, RawTcp
+from .driver import PeerProcess
 from .report import emit, figure_tag as tag, human_bytes, median, table
 
 MiB = 1 << 20
@@ -68,10 +71,8 @@ MiB = 1 << 20
 SCENARIOS = {"loopback": None, "loopback-tcp": None, "link-10g-20ms": "rate=10gbit,rtt=20ms",
              "link-1g-20ms": "rate=1gbit,rtt=20ms"}
 RATES = {"link-10g-20ms": 10e9, "link-1g-20ms": 1e9}
-GRPC_CHUNK = 4 * MiB
-PAYLOAD_SEED = 0  # the Mooncake sender process regenerates the payload from it
 PUT_LABELS = {"copy": "copy, then send", "overlap": "copy overlapped"}
-METHODS = ["raw_tcp", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch", "fedrdma", "fedrdma-e"]
+METHODS = ["raw_tcp", "raw_tcp_checked", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch", "fedrdma", "fedrdma-e"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,37 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true",
                    help="each fedrdma/fedrdma-e row once more with tls: true (mutual TLS on the bootstrap and the soft "
                         "provider's data connections; certificates from a throwaway CA): the cost of TLS beside it")
-
-
-def _grpc(peer: PeerProcess, payload: bytes, reps: int,
-          methods: Tuple[str, ...] = ("grpc_stream", "grpc_unary")) -> Dict[str, List[float]]:
-    import grpc
-
-    from .transfer_peer import GRPC_OPTIONS
-
-    port = peer.cmd({"cmd": "grpc"})["port"]
-    ident = lambda b: b  # noqa: E731
-    out: Dict[str, List[float]] = {k + m: [] for k in ("", "rss_", "cpu_send_", "cpu_recv_")
-                                   for m in ("grpc_stream", "grpc_unary")}
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
-        stream = ch.stream_unary("/bench.Bench/Stream", request_serializer=ident, response_deserializer=ident)
-        unary = ch.unary_unary("/bench.Bench/Unary", request_serializer=ident, response_deserializer=ident)
-        stream(iter([b"warm-up"]))
-        unary(b"warm-up")
-        for _ in range(reps):
-            for name, call in (("grpc_stream", lambda: stream((payload[i:i + GRPC_CHUNK] for i in range(0, len(payload), GRPC_CHUNK)))),
-                               ("grpc_unary", lambda: unary(payload))):
-                if name not in methods:
-                    continue
-                mark = peer.cmd({"cmd": "mark"})
-                c0, t0 = cpu_s(), time.perf_counter()
-                call()
-                reply = peer.cmd({"cmd": "expect", "count": mark["count"] + 1})
-                out[name].append(time.perf_counter() - t0)
-                out["cpu_send_" + name].append(cpu_s() - c0)
-                out["cpu_recv_" + name].append(reply["cpu_s"] - mark["cpu_s"])
-                out["rss_" + name].append(max(0, reply["extra_rss_bytes"] - len(payload)))
-    return out
 
 
 class _Put:
@@ -253,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             link = SCENARIOS[scen]
             if link is None and not baselines_done:  # once: the same TCP over loopback serves both loopback scenarios
                 baselines_done = True
-                raw = _baselines(peer, scen, methods, data, reps, add)
+                raw = run_baselines(peer, scen, methods, data, reps, add, args.checksum)
                 if raw is not None:
                     closing.callback(raw.close)
             elif link is not None:
@@ -271,14 +241,14 @@ def run(args: argparse.Namespace) -> int:
                                         same_host=scen != "loopback-tcp", secret_file=secret,
                                         **(tls_files if tls else {}))
                     put = _Put(how, args.put_memory, data, args.checksum, args.source == "shared") if how else None
-                    pair = _pair(raw, data) if raw is not None and link is None and not args.unpaired else None
+                    pair = pair_raw(raw, data) if raw is not None and link is None and not args.unpaired else None
                     res = _channel(peer, data, cfg, reps, put, pair)
                     method = f"{mode} put: {PUT_LABELS[how]} ({args.put_memory})" if how else mode
                     add({"scenario": scen, "method": method, "window": res["window"] if w != "auto" else f"auto ({res['window']})",
                          "provider": res["provider"], "emulated": res["emulated"], "label": res["label"],
                          "path": res["path"], "source": args.source, "checksum": args.checksum, "tls": tls,
                          "seconds": round(median(res["times"]), 4),
-                         "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"], **_paired(res)},
+                         "extra_rss_bytes": int(median(res["rss"])), "chunks": res["chunks"], **paired(res)},
                         res["cpu_send"], res["cpu_recv"])
     print()
     table([dict(r, rss=human_bytes(r["extra_rss_bytes"]) if r.get("extra_rss_bytes") is not None else "-",
@@ -294,68 +264,6 @@ def run(args: argparse.Namespace) -> int:
     _verdicts(rows, nbytes, reps)
     _tls_verdicts(rows)
     return 0
-
-
-def _pair(raw: RawTcp, data: np.ndarray) -> Callable[[], float]:
-    """One raw TCP transfer of `data` on the baselines' open connection, its seconds (the raw TCP row's
-    transfers, and a channel row's pairs)."""
-    return lambda: raw.stream(memoryview(data), 4 * MiB, data.nbytes, data.nbytes)
-
-
-def _paired(res: Dict[str, Any]) -> Dict[str, Any]:
-    """A row's raw TCP transfers, each run beside one of its own (paired_raw_tcp_seconds, their median), and
-    x_raw_tcp: the median over those pairs of raw TCP's time / the row's (a throughput ratio), which the
-    machine's drift between the raw TCP row and this one does not move."""
-    if not res["paired"]:
-        return {}
-    return {"paired_raw_tcp_seconds": round(median(res["paired"]), 4),
-            "x_raw_tcp": round(median([r / t for r, t in zip(res["paired"], res["times"])]), 3)}
-
-
-def _baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int,
-               add: Any) -> Optional[RawTcp]:
-    """Raw TCP, gRPC and Mooncake TE over loopback TCP, each against the same payload. The raw TCP connection
-    stays open (returned) for the channel's rows to pair their transfers with."""
-    raw = RawTcp(peer) if "raw_tcp" in methods else None
-    try:
-        if raw is not None:
-            stream = _pair(raw, data)
-            stream()  # warm-up
-            ts, cpu_send, cpu_recv = [], [], []
-            for _ in range(reps):
-                c_recv = peer.cmd({"cmd": "mark"})["cpu_s"]
-                c_send = cpu_s()
-                ts.append(stream())
-                cpu_send.append(cpu_s() - c_send)
-                cpu_recv.append(peer.cmd({"cmd": "cpu"})["cpu_s"] - c_recv)
-            r = peer.cmd({"cmd": "peak"})
-            add({"scenario": scen, "method": "raw_tcp", "window": None, "provider": "tcp", "path": "tcp",
-                 "emulated": False, "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"],
-                 "chunks": None}, cpu_send, cpu_recv)
-        _other_baselines(peer, scen, methods, data, reps, add)
-    except BaseException:
-        if raw is not None:
-            raw.close()
-        raise
-    return raw
-
-
-def _other_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int, add: Any) -> None:
-    """gRPC and Mooncake TE over loopback TCP, each against the same payload."""
-    nbytes = data.nbytes
-    if {"grpc_stream", "grpc_unary"} & set(methods):
-        g = _grpc(peer, data.tobytes(), reps)
-        for m in ("grpc_stream", "grpc_unary"):
-            if m in methods:
-                add({"scenario": scen, "method": m, "window": None, "provider": "grpc", "path": "tcp", "emulated": False,
-                     "seconds": round(median(g[m]), 4), "extra_rss_bytes": int(median(g["rss_" + m])),
-                     "chunks": -(-nbytes // GRPC_CHUNK) if m == "grpc_stream" else 1},
-                    g["cpu_send_" + m], g["cpu_recv_" + m])
-    if set(mooncake.METHODS) & set(methods):
-        crc = crc32c.crc32c(data)
-        for m, res in mooncake.measure(methods, peer.host, nbytes, PAYLOAD_SEED, crc, reps, ChannelConfig().chunk_bytes).items():
-            add({"scenario": scen, "method": m, "window": None, "provider": "mooncake-te", "path": "tcp", "emulated": False,
-                 "extra_rss_bytes": None, **res})
 
 
 def _bench_tls(folder: str) -> Dict[str, Any]:
@@ -390,7 +298,7 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
 
     def x_raw(r: Dict[str, Any], raw: Dict[str, Any]) -> str:
         """fedrdma-e / raw TCP throughput of row `r`: against the raw TCP row `raw`, and the median of its pairs
-        (_paired) where it has them (both printed: the two can differ by a fifth on this machine)."""
+        (baselines.paired) where it has them (both printed: the two can differ by a fifth on this machine)."""
         ratio = raw["seconds"] / r["seconds"]
         if r.get("x_raw_tcp") is not None:
             return (f"{r['x_raw_tcp']:.2f} (median of {reps} pairs, each beside a raw TCP transfer; "
@@ -418,6 +326,13 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
             line = cpu_ceiling(r, raw, nbytes, usable_cores())
             if line:
                 print(f"over loopback TCP, checksum {r.get('checksum')}{tag(r)}: {line}")
+    checked = get(None, "raw_tcp_checked")
+    for r in (e, t):  # against raw TCP paying for the same check (checked_tcp.py), each path on its own line
+        if r and checked and checked.get("checksum") == r.get("checksum"):
+            vs_raw = f"; it reaches {raw['seconds'] / checked['seconds']:.2f} x raw TCP's throughput" if raw else ""
+            print(f"{r['scenario']}, data path {r.get('path')}{tag(r)}: fedrdma-e / raw TCP with the same "
+                  f"{r.get('checksum')} check on both sides = {checked['seconds'] / r['seconds']:.2f} (against that row, "
+                  f"{checked['seconds']:.3f} s{vs_raw})")
     for r in rows:  # a buffered put's copy overlapped against copy-then-send, in the same scenario and window
         if r["method"].startswith("fedrdma-e put: copy overlapped") and r.get("seconds"):
             serial = next((x for x in rows if x["scenario"] == r["scenario"] and x.get("tls") == r.get("tls")

@@ -66,7 +66,7 @@ def _verbs(args: argparse.Namespace, weights: np.ndarray, expect: int) -> bool:
 def _channel(args: argparse.Namespace, weights: np.ndarray, expect: int) -> bool:
     from ..bench.driver import PeerProcess
     from ..bench.report import table
-    from ..bench.transfer import _grpc
+    from ..bench.baselines import grpc_times
     from ..channel import Endpoint
     from ..config import ChannelConfig
     from .progress import attach
@@ -82,7 +82,7 @@ def _channel(args: argparse.Namespace, weights: np.ndarray, expect: int) -> bool
     with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer, tempfile.TemporaryDirectory() as private:
         secret = os.path.join(private, "secret")
         write_secret(secret)  # the two endpoints authenticate each other, as parties do
-        g = _grpc(peer, weights.tobytes(), 2, ("grpc_stream",))
+        g = grpc_times(peer, weights.tobytes(), 2, ("grpc_stream",))
         rows.append({"method": "grpc_stream (4 MiB chunks)", "provider": "grpc over TCP", "times": g["grpc_stream"],
                      "verified": "-"})
         for mode in ("fedrdma", "fedrdma-e"):

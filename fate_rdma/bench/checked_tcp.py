@@ -1,0 +1,106 @@
+"""Raw TCP with the channel's end-to-end check: the baseline that prices the check itself.
+
+`bench transfer`'s raw TCP row checks nothing end to end (loopback TCP does not even checksum its
+segments), while the channel's default (`checksum: xxh3`) digests every byte on both sides. This row
+moves the same payload over the same kind of connection with the same check done as cheaply as Python
+can: the blocks of the channel's integrity (4 MiB, protocol/integrity.py), each digested piece by piece
+(the soft provider's PIECE_BYTES) by the thread that moves it, the sender right before a piece's
+`sendall`, the receiver right after its `recv_into`, while the piece is still in that core's cache;
+then the sender's digests follow the payload and the receiver compares them with its own. No windows,
+no frames, no threads: what the check costs on this machine on top of the copies TCP does anyway, so
+that a channel row with a checksum can be compared with a baseline that pays for one too.
+
+Wire format after the payload: the digests' length (4 bytes, big-endian), then each block's digest in
+order (XXH3-128: 16 bytes; crc32c: 4 bytes, big-endian).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Callable, List, Optional, Tuple
+
+from easypyverbs.providers.soft.landing import PIECE_BYTES
+
+from ..channel.checksum import block_hasher
+from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE, Integrity
+
+#: checks this baseline can do: the block-wise ones (blake2b is keyed per connection, none checks nothing)
+KINDS = BLOCKWISE
+_LEN = struct.Struct("!I")
+#: most digest bytes a receiver accepts: 16 bytes a block of a payload of up to 64 GiB
+MAX_DIGEST_BYTES = 16 * ((64 << 30) // BLOCK_BYTES)
+
+
+def _encode(digest: Any) -> bytes:
+    return digest if isinstance(digest, bytes) else int(digest).to_bytes(4, "big")
+
+
+def _pieces(nbytes: int) -> List[tuple]:
+    """(block, offset, length) of each piece, in order: none crosses a block or exceeds PIECE_BYTES."""
+    out = []
+    for b, start in enumerate(range(0, nbytes, BLOCK_BYTES)):
+        end = min(start + BLOCK_BYTES, nbytes)
+        out.extend((b, o, min(PIECE_BYTES, end - o)) for o in range(start, end, PIECE_BYTES))
+    return out
+
+
+def _starter(kind: str) -> Any:
+    start = block_hasher(Integrity(kind)) if kind in KINDS else None
+    if start is None:
+        raise ValueError(f"raw TCP with a check: checksum {kind!r} has no block-wise digests (only {', '.join(KINDS)})")
+    return start
+
+
+def _move(view: memoryview, kind: str, move: Callable[[memoryview], Any], sending: bool) -> Tuple[bytes, int]:
+    """Move `view` piece by piece with `move`, digesting each piece while it is in cache: before it goes
+    (`sending`), else after it landed. Returns the digests, joined, and the number of blocks."""
+    start = _starter(kind)
+    digests: List[bytes] = []
+    h, block = None, -1
+    for b, off, n in _pieces(view.nbytes):
+        if b != block:
+            if h is not None:
+                digests.append(_encode(h.digest()))
+            h, block = start(b), b
+        piece = view[off:off + n]
+        if sending:
+            h.update(piece)
+        move(piece)
+        if not sending:
+            h.update(piece)
+    if h is not None:
+        digests.append(_encode(h.digest()))
+    return b"".join(digests), len(digests)
+
+
+def send(sock: socket.socket, payload: memoryview, kind: str) -> None:
+    """Send `payload`, each piece digested right before it goes, then the digests."""
+    blob, _ = _move(payload, kind, sock.sendall, sending=True)
+    sock.sendall(_LEN.pack(len(blob)) + blob)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    pos = 0
+    while pos < view.nbytes:
+        got = sock.recv_into(view[pos:], view.nbytes - pos, socket.MSG_WAITALL)
+        if not got:
+            raise ConnectionError(f"the sender closed the connection {view.nbytes - pos} bytes short of a piece")
+        pos += got
+
+
+def receive(sock: socket.socket, view: memoryview, kind: str) -> Optional[str]:
+    """Fill `view` from `sock`, each piece digested right after it landed, and compare the sender's digests
+    that follow; None if they match, else what differs."""
+    mine, blocks = _move(view, kind, lambda piece: _recv_into(sock, piece), sending=False)
+    head = bytearray(_LEN.size)
+    _recv_into(sock, memoryview(head))
+    (length,) = _LEN.unpack(head)
+    if length != len(mine) or length > MAX_DIGEST_BYTES:
+        return f"the sender's digests are {length} bytes, {len(mine)} expected for {blocks} blocks"
+    theirs = bytearray(length)
+    _recv_into(sock, memoryview(theirs))
+    if bytes(theirs) != mine:
+        size = len(mine) // max(1, blocks)
+        bad = next(i for i in range(blocks) if theirs[i * size:(i + 1) * size] != mine[i * size:(i + 1) * size])
+        return f"{kind} digest of block {bad} differs: the payload arrived corrupted"
+    return None
