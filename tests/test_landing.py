@@ -274,7 +274,7 @@ def test_chunks_smaller_than_a_block_are_checked_from_memory_with_notes(monkeypa
     start each block's checksum early instead, and the transfer is verified all the same."""
     seen, started = _spy(monkeypatch), []
     real = fe.block_checksums_async
-    monkeypatch.setattr(fe, "block_checksums_async", lambda *a: started.append(a[1]) or real(*a))
+    monkeypatch.setattr(fe, "block_checksums_async", lambda *a, **kw: started.append(a[1]) or real(*a, **kw))
     cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=64 * MiB, chunk_bytes=MiB)
     _send_and_check(cfg, [40 * MiB])
     assert seen == {"landed": 0, "read": 10} and started

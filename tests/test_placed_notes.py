@@ -114,11 +114,11 @@ def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch, checksum):
     noted blocks) fails the transfer as an integrity error; nothing reaches the application."""
     start_blocks, flipped = fe.block_checksums_async, []
 
-    def corrupt_then_checksum(payload, first, known, landed=None, kind="crc32c"):
+    def corrupt_then_checksum(payload, first, known, landed=None, kind="crc32c", upto=None):
         if not flipped:
             flipped.append(first)
             payload[-1] ^= 0xFF
-        return start_blocks(payload, first, known, landed, kind)
+        return start_blocks(payload, first, known, landed, kind, upto)
 
     monkeypatch.setattr(fe, "block_checksums_async", corrupt_then_checksum)
     rx, tx = _pair(checksum=checksum)
@@ -186,7 +186,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
         wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
         (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
         started = []
-        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known, landed=None, kind="": started.append(first))
+        monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known, landed=None, kind="", upto=None: started.append(first))
         for tid in (1000, 1001, 1002):
             conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, tid, (0 << 48) | 4096, 0))
         wait_for(lambda: len(seen["notes"]) == 3, 10, "three notes at the receiver")
@@ -216,3 +216,28 @@ def test_a_same_host_peer_gets_notes_only_where_cores_are_left_beside_its_copy(m
         tx.send(rx.address, data).result(60)
         assert crc32c.crc32c(rx.recv(timeout=30).detach()) == crc32c.crc32c(data)
     assert bool(seen["notes"]) is notes
+
+
+def test_each_note_starts_only_the_blocks_placed_since_the_one_before(monkeypatch):
+    """Notes go back to front: each one names the blocks from its offset up to where the one before began,
+    no block twice; a note that names nothing new (repeated, or out of order) starts nothing."""
+    seen = _spy(monkeypatch)
+    rx, tx = _pair()
+    with rx, tx:
+        conn = tx.connect(rx.address)
+        wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
+        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        tx.send(rx.address, np.ones(20 * MiB, dtype=np.uint8)).result(60)  # grows a slot to take the notes' extent
+        rx.recv(timeout=30).release()
+        slot, total = max(enumerate(rconn.slot_receiver.pool.capacity), key=lambda sc: sc[1])
+        assert total >= 3 * 4 * MiB, total
+        calls = []
+        monkeypatch.setattr(fe, "block_checksums_async",
+                            lambda p, first, known, landed=None, kind="", upto=None: calls.append((first, upto)))
+        starts = [total - 4 * MiB, total - 4 * MiB, total - 8 * MiB - 5, total - 4 * MiB, 0]
+        for start in starts:
+            conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, 1000, (slot << 48) | total, start))
+        wait_for(lambda: len([n for n in seen["notes"] if n[0] == 1000]) == len(starts), 10, "the notes at the receiver")
+        blocks = -(-total // (4 * MiB))
+        # (a note 5 bytes into block blocks - 3 places none of it whole: its blocks start at blocks - 2)
+        assert calls == [(blocks - 1, blocks), (blocks - 2, blocks - 1), (0, blocks - 2)]

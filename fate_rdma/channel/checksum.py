@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import BLOCKWISE, Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
+from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE, Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
 from .auth import Identity, mac_keys
 
 _POOLS: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
@@ -79,16 +79,20 @@ def _block_digest_fn(kind: str) -> Callable[[int, List[memoryview]], Any]:
 
 
 def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any],
-                          kind: str) -> None:
-    """Start the digest (crc32c or xxh3, `kind`) of every block of `payload` from block `first` on that
-    `known` (block index -> future) lacks and `landed` (digests taken where the blocks landed,
-    payload_digest_with) has none for, on the block pool: the receiver's share of payload_digest for bytes
-    a PLACED note says are placed, computed while the rest arrives."""
+                          kind: str, upto: Optional[int] = None) -> None:
+    """Start the digest (crc32c or xxh3, `kind`) of every block of `payload` (one buffer) from block `first`
+    up to block `upto` (exclusive; None: the last) that `known` (block index -> future) lacks and `landed`
+    (digests taken where the blocks landed, payload_digest_with) has none for, on the block pool: the
+    receiver's share of payload_digest for bytes a PLACED note says are placed, computed while the rest
+    arrives. Only the blocks asked for are looked at (a transfer's notes each name the blocks placed since
+    the one before)."""
     fn = _block_digest_fn(kind)
-    blocks = _blocks([payload])
-    for b in range(first, len(blocks)):
-        if b not in known and (landed is None or landed.take(b, sum(p.nbytes for p in blocks[b])) is None):
-            known[b] = _pool("block").submit(fn, b, blocks[b])
+    n = payload.nbytes
+    last = -(-n // BLOCK_BYTES) if upto is None else min(upto, -(-n // BLOCK_BYTES))
+    for b in range(first, last):
+        lo, hi = b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, n)
+        if b not in known and (landed is None or landed.take(b, hi - lo) is None):
+            known[b] = _pool("block").submit(fn, b, [payload[lo:hi]])
 
 
 class _Crc:
