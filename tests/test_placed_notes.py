@@ -70,6 +70,14 @@ def _pair(provider="soft-tcp", **kw):
     return rx, tx
 
 
+def _connected(rx, tx):
+    """(the sender's connection, the receiver's) once the receiver has its side of it."""
+    conn = tx.connect(rx.address)
+    wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
+    (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+    return conn, rconn
+
+
 def _spy(monkeypatch):
     """Record each PLACED note the receiver takes and the blocks known early at each verification."""
     seen = {"notes": [], "known": []}
@@ -167,9 +175,7 @@ def test_no_notes_to_a_peer_that_did_not_ask(monkeypatch):
 def test_a_malformed_note_ends_the_connection_naming_it(value, aux, why):
     rx, tx = _pair()
     with rx, tx:
-        conn = tx.connect(rx.address)
-        wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
-        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        conn, rconn = _connected(rx, tx)
         conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, 77, value, aux))
         wait_for(lambda: rconn.dead is not None, 10, "the receiver ending the connection")
         assert "PLACED note" in str(rconn.dead) and why in str(rconn.dead)
@@ -182,9 +188,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
     seen = _spy(monkeypatch)
     rx, tx = _pair()
     with rx, tx:
-        conn = tx.connect(rx.address)
-        wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
-        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        conn, rconn = _connected(rx, tx)
         started = []
         monkeypatch.setattr(fe, "block_checksums_async", lambda p, first, known, landed=None, kind="", upto=None: started.append(first))
         for tid in (1000, 1001, 1002):
@@ -224,9 +228,7 @@ def test_each_note_starts_only_the_blocks_placed_since_the_one_before(monkeypatc
     seen = _spy(monkeypatch)
     rx, tx = _pair()
     with rx, tx:
-        conn = tx.connect(rx.address)
-        wait_for(lambda: any(c.slot_receiver is not None for c in rx._conns.values()), 10, "the receiver's side")
-        (rconn,) = [c for c in rx._conns.values() if c.slot_receiver is not None]
+        conn, rconn = _connected(rx, tx)
         tx.send(rx.address, np.ones(20 * MiB, dtype=np.uint8)).result(60)  # grows a slot to take the notes' extent
         rx.recv(timeout=30).release()
         slot, total = max(enumerate(rconn.slot_receiver.pool.capacity), key=lambda sc: sc[1])
