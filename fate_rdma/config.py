@@ -63,7 +63,8 @@ class ChannelConfig:
     #: a link model, auto sets up one QP: there is no path to stripe over (with four set up, a same-host
     #: FATE round took 0.41 s against 0.25 s, cause not traced). The default; a number is taken as set
     qps_per_peer: Union[int, str] = "auto"
-    #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate, off same-host
+    #: Link-Enable (paper §4.3): one MTU-sized chunk first; "auto" = on from 4 Gbit/s nominal rate, off on the
+    #: soft provider without its link model (same host, or its TCP streams: no link to bring up)
     link_enable: Union[bool, str] = "auto"
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s
     link_rate_bps: Optional[float] = None

@@ -420,8 +420,8 @@ def test_link_enable_first_chunk():
     assert policy.first_chunk_bytes("auto", 1e9) == 0
     assert policy.first_chunk_bytes(True, 1e6) == policy.LINK_ENABLE_BYTES
     assert policy.first_chunk_bytes(False, 100e9) == 0
-    assert policy.first_chunk_bytes("auto", 10e9, same_host=True) == 0  # no link to bring up
-    assert policy.first_chunk_bytes(True, 10e9, same_host=True) == policy.LINK_ENABLE_BYTES  # asked for: kept
+    assert policy.first_chunk_bytes("auto", 10e9, no_link=True) == 0  # no link to bring up
+    assert policy.first_chunk_bytes(True, 10e9, no_link=True) == policy.LINK_ENABLE_BYTES  # asked for: kept
 
 
 def test_staging_credits():

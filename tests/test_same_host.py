@@ -56,18 +56,19 @@ def test_transfers_between_processes_take_the_same_host_path(mode):
 
 
 @pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
-@pytest.mark.parametrize("provider, link_enable, small", [("soft", "auto", False), ("soft", True, True),
-                                                          ("soft-tcp", "auto", True)])
-def test_link_enable_auto_is_off_on_the_same_host_path_only(mode, provider, link_enable, small):
-    """Link-Enable's 4 KiB chunk brings a link up; "auto" leaves it out where the bytes are copied between
-    processes of this host, keeps it over TCP, and a configured true is honoured everywhere."""
-    tcp = provider == "soft-tcp"
-    c = cfg(mode, provider="soft", same_host=not tcp, link_enable=link_enable, same_host_chunk_bytes=1 << 20,
-            tcp_chunk_bytes=0)
+@pytest.mark.parametrize("path, link_enable, small", [("same-host", "auto", False), ("same-host", True, True),
+                                                      ("tcp", "auto", False), ("tcp", True, True),
+                                                      ("link", "auto", True)])
+def test_link_enable_auto_is_off_where_the_soft_provider_has_no_link(mode, path, link_enable, small):
+    """Link-Enable's 4 KiB chunk brings a link up; "auto" leaves it out where the soft provider has none (bytes
+    copied between processes of this host, or its TCP streams: up since connect), keeps it under its link model
+    (an emulated 10 Gbit/s wire), and a configured true is honoured everywhere."""
+    c = cfg(mode, provider="soft", same_host=path == "same-host", link_enable=link_enable,
+            same_host_chunk_bytes=1 << 20, tcp_chunk_bytes=0, soft_link="rate=10gbit,rtt=1ms" if path == "link" else None)
     data = np.random.default_rng(4).integers(0, 256, (3 << 20) + 8192, dtype=np.uint8)
     with Endpoint(c, name="rx") as rx, Endpoint(c, name="tx") as tx:
         info = tx.send(rx.address, data).result(60)
-        assert all(rc.qp.data_path.startswith("same-host") is not tcp for rc in tx.connect(rx.address).rcs)
+        assert all(rc.qp.data_path.startswith("same-host") is (path == "same-host") for rc in tx.connect(rx.address).rcs)
         msg = rx.recv(timeout=30)
         assert bytes(msg.view) == data.tobytes()
         msg.release()

@@ -263,7 +263,7 @@ class Connection(Turns):
             o.fut.set_exception(exc)
             return True
         w, _chunk = self.window(mode is Mode.FEDRDMA_E)
-        le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), self.same_host_copy)
+        le = first_chunk_bytes(cfg.link_enable, self._rate_bps(), self.same_host_copy or self.soft_tcp)
         common = dict(now=now, first_chunk_bytes=le,
                       no_progress_s=cfg.no_progress_timeout_s, total_s=cfg.transfer_timeout_s)
         engine = self.slot_sender if mode is Mode.FEDRDMA_E else self.staged_sender

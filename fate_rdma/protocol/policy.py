@@ -167,13 +167,15 @@ def short_tcp_path(soft_tcp: bool, rtt_s: Optional[float]) -> bool:
     return soft_tcp and rtt_s is not None and rtt_s < LONG_PATH_RTT_S
 
 
-def first_chunk_bytes(link_enable: object, rate_bps: float, same_host: bool = False) -> int:
-    """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto". "auto" is off on a
-    same-host path (the soft provider's copy between processes): there is no link to bring up, and the
-    small chunk only costs a WRITE of its own and, where WRITEs are digested as they land, the payload's
-    last integrity block hashed again from memory."""
+def first_chunk_bytes(link_enable: object, rate_bps: float, no_link: bool = False) -> int:
+    """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto". "auto" is off where
+    the path has no link to bring up (`no_link`): the soft provider's copy between processes of one host, and
+    its TCP streams without its link model (TCP was up since connect; the WAN testbed showed no effect,
+    docs/RESULTS.md section 3). There the small chunk only costs a WRITE of its own and, where WRITEs are
+    digested as they land, the payload's last integrity block hashed again from memory (a small message's
+    only block: a LoRA upload's whole payload)."""
     if link_enable == "auto":
-        on = rate_bps >= LINK_ENABLE_FROM_BPS and not same_host
+        on = rate_bps >= LINK_ENABLE_FROM_BPS and not no_link
     else:
         on = bool(link_enable)
     return LINK_ENABLE_BYTES if on else 0
