@@ -103,13 +103,13 @@ def run_cost(plan: Plan, out_root: Path, log: Callable[[str], None] = print, com
     import crc32c
     import numpy as np
 
-    from .bench import transfer
+    from .bench import baselines, transfer
     from .bench.driver import PeerProcess
     from .config import ChannelConfig
 
     out = results_dir(out_root, "cost")
     rows = Rows(out)
-    data = np.frombuffer(np.random.default_rng(transfer.PAYLOAD_SEED).bytes(plan.nbytes), dtype=np.uint8)
+    data = np.frombuffer(np.random.default_rng(baselines.PAYLOAD_SEED).bytes(plan.nbytes), dtype=np.uint8)
     common = {"study": "cost", "bytes": plan.nbytes, "reps": plan.reps, "link": "loopback",
               "measured": {"rtt_median_ms": None, "tcp_bps": None, "tcp_cc": None}}
 
@@ -135,7 +135,9 @@ def run_cost(plan: Plan, out_root: Path, log: Callable[[str], None] = print, com
                 base[row["method"]] = {"times": [row["seconds"]], "rss": [row["extra_rss_bytes"]],
                                        "cpu_send": cpu_send or [], "cpu_recv": cpu_recv or []}
 
-            transfer._baselines(peer, "loopback", ["raw_tcp", "grpc_stream"], data, plan.reps, collect)
+            raw = baselines.run_baselines(peer, "loopback", ["raw_tcp", "grpc_stream"], data, plan.reps, collect, "none")
+            if raw is not None:
+                raw.close()
             add("tcp stream", "tcp", "kernel TCP", base["raw_tcp"], "byte count")
             add("grpc stream", "tcp", "gRPC over kernel TCP", base["grpc_stream"], "byte count")
             for path in plan.paths:
@@ -147,7 +149,7 @@ def run_cost(plan: Plan, out_root: Path, log: Callable[[str], None] = print, com
                     took = "same-host" if str(res["path"]).startswith("same-host") else str(res["path"])
                     add(mode, took, "soft (emulated verbs, not RDMA)", res, f"{cfg.checksum} end to end")
         add("mooncake sync", "tcp", "Mooncake TE TCP transport",
-            _mooncake(plan.nbytes, transfer.PAYLOAD_SEED, crc32c.crc32c(data), plan.reps), "crc32c of the buffer")
+            _mooncake(plan.nbytes, baselines.PAYLOAD_SEED, crc32c.crc32c(data), plan.reps), "crc32c of the buffer")
     finally:
         lines = rows.save(out, markdown(rows.rows, plan, command), lambda: write_plot(rows.rows, out / "cost.png"))
     print_md(lines, log, out)
