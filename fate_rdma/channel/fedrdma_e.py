@@ -244,8 +244,8 @@ class SlotReceiver:
             return  # nothing placed since the last note (notes go back to front, as the chunks)
         base = self.offer.offset_in_slot(0)
         # only the blocks placed since the last note; blocks digested where they landed need no second pass
-        # (the soft provider's, MR.track_writes): looking at every block on every note cost a 1 GiB transfer's
-        # receiving NIC thread ~50 ms (py-spy, 2026-11-29)
+        # (the soft provider's, MR.track_writes). Looking at every block on every note was about a quarter of
+        # the receiving process's Python that xxh3 added to a 1 GiB transfer (py-spy, 2026-11-29)
         block_checksums_async(self.conn.mem.slot_view(slot)[base:base + total], first, early[2],
                               self.conn.mem.slots.landed[slot], self.machine.integrity.kind, upto=covered[0])
         covered[0] = first
