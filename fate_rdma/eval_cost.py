@@ -135,7 +135,7 @@ def run_cost(plan: Plan, out_root: Path, log: Callable[[str], None] = print, com
                 base[row["method"]] = {"times": [row["seconds"]], "rss": [row["extra_rss_bytes"]],
                                        "cpu_send": cpu_send or [], "cpu_recv": cpu_recv or []}
 
-            raw = baselines.run_baselines(peer, "loopback", ["raw_tcp", "grpc_stream"], data, plan.reps, collect, "none")
+            raw = baselines.run_baselines(peer, "loopback", ["raw_tcp", "grpc_stream"], data, plan.reps, collect)
             if raw is not None:
                 raw.close()
             add("tcp stream", "tcp", "kernel TCP", base["raw_tcp"], "byte count")

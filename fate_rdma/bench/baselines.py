@@ -21,7 +21,7 @@ PAYLOAD_SEED = 0  # the Mooncake sender process regenerates the payload from it
 
 
 def grpc_times(peer: PeerProcess, payload: bytes, reps: int,
-          methods: Tuple[str, ...] = ("grpc_stream", "grpc_unary")) -> Dict[str, List[float]]:
+               methods: Tuple[str, ...] = ("grpc_stream", "grpc_unary")) -> Dict[str, List[float]]:
     import grpc
 
     from .transfer_peer import GRPC_OPTIONS
@@ -51,10 +51,10 @@ def grpc_times(peer: PeerProcess, payload: bytes, reps: int,
     return out
 
 
-def pair(raw: RawTcp, data: np.ndarray) -> Callable[[], float]:
+def pair(raw: RawTcp, data: np.ndarray, check: Optional[str] = None) -> Callable[[], float]:
     """One raw TCP transfer of `data` on the baselines' open connection, its seconds (the raw TCP row's
-    transfers, and a channel row's pairs)."""
-    return lambda: raw.stream(memoryview(data), 4 * MiB, data.nbytes, data.nbytes)
+    transfers, and a channel row's pairs); with `check`, the checked one (checked_tcp.py)."""
+    return lambda: raw.stream(memoryview(data), 4 * MiB, data.nbytes, data.nbytes, check=check)
 
 
 def paired(res: Dict[str, Any]) -> Dict[str, Any]:
@@ -68,7 +68,7 @@ def paired(res: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int, add: Any,
-                  checksum: str) -> Optional[RawTcp]:
+                  checksum: str = ChannelConfig.checksum) -> Optional[RawTcp]:
     """Raw TCP (with `raw_tcp_checked`, once more with the channel's `checksum` done on both sides), gRPC and
     Mooncake TE over loopback TCP, each against the same payload. The raw TCP connection stays open (returned)
     for the channel's rows to pair their transfers with."""
@@ -78,8 +78,7 @@ def run_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.nda
             _raw_row(peer, scen, pair(raw, data), reps, add, {"method": "raw_tcp"})
         if raw is not None and "raw_tcp_checked" in methods:
             if checksum in checked_tcp.KINDS:
-                check = lambda: raw.stream(memoryview(data), 4 * MiB, data.nbytes, data.nbytes, check=checksum)  # noqa: E731
-                _raw_row(peer, scen, check, reps, add, {"method": "raw_tcp_checked", "checksum": checksum})
+                _raw_row(peer, scen, pair(raw, data, checksum), reps, add, {"method": "raw_tcp_checked", "checksum": checksum})
             else:
                 add({"scenario": scen, "method": "raw_tcp_checked", "checksum": checksum,
                      "skipped": f"raw TCP has no {checksum} check to price (it takes crc32c or xxh3: --checksum)"})

@@ -20,6 +20,7 @@ import struct
 from typing import Any, Callable, List, Optional, Tuple
 
 from easypyverbs.providers.soft.landing import PIECE_BYTES
+from easypyverbs.providers.soft.wire import recv_exactly_into
 
 from ..channel.checksum import block_hasher
 from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE, Integrity
@@ -27,8 +28,6 @@ from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE, Integrity
 #: checks this baseline can do: the block-wise ones (blake2b is keyed per connection, none checks nothing)
 KINDS = BLOCKWISE
 _LEN = struct.Struct("!I")
-#: most digest bytes a receiver accepts: 16 bytes a block of a payload of up to 64 GiB
-MAX_DIGEST_BYTES = 16 * ((64 << 30) // BLOCK_BYTES)
 
 
 def _encode(digest: Any) -> bytes:
@@ -79,26 +78,17 @@ def send(sock: socket.socket, payload: memoryview, kind: str) -> None:
     sock.sendall(_LEN.pack(len(blob)) + blob)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    pos = 0
-    while pos < view.nbytes:
-        got = sock.recv_into(view[pos:], view.nbytes - pos, socket.MSG_WAITALL)
-        if not got:
-            raise ConnectionError(f"the sender closed the connection {view.nbytes - pos} bytes short of a piece")
-        pos += got
-
-
 def receive(sock: socket.socket, view: memoryview, kind: str) -> Optional[str]:
     """Fill `view` from `sock`, each piece digested right after it landed, and compare the sender's digests
     that follow; None if they match, else what differs."""
-    mine, blocks = _move(view, kind, lambda piece: _recv_into(sock, piece), sending=False)
+    mine, blocks = _move(view, kind, lambda piece: recv_exactly_into(sock, piece), sending=False)
     head = bytearray(_LEN.size)
-    _recv_into(sock, memoryview(head))
+    recv_exactly_into(sock, memoryview(head))
     (length,) = _LEN.unpack(head)
-    if length != len(mine) or length > MAX_DIGEST_BYTES:
+    if length != len(mine):
         return f"the sender's digests are {length} bytes, {len(mine)} expected for {blocks} blocks"
     theirs = bytearray(length)
-    _recv_into(sock, memoryview(theirs))
+    recv_exactly_into(sock, memoryview(theirs))
     if bytes(theirs) != mine:
         size = len(mine) // max(1, blocks)
         bad = next(i for i in range(blocks) if theirs[i * size:(i + 1) * size] != mine[i * size:(i + 1) * size])

@@ -122,15 +122,15 @@ class RawTcp:
         if self.sock.recv(1) != b"r":
             raise RuntimeError("raw TCP peer not ready")
         t0 = time.perf_counter()
-        off = 0
         if check:
             checked_tcp.send(self.sock, payload[:total_bytes], check)
-            off = total_bytes
-        while off < total_bytes:
-            n = min(msg_bytes, total_bytes - off)
-            s_off = off % (payload.nbytes - n + 1)
-            self.sock.sendall(payload[s_off : s_off + n])
-            off += n
+        else:
+            off = 0
+            while off < total_bytes:
+                n = min(msg_bytes, total_bytes - off)
+                s_off = off % (payload.nbytes - n + 1)
+                self.sock.sendall(payload[s_off : s_off + n])
+                off += n
         ack = self.sock.recv(1)
         dt = time.perf_counter() - t0
         reply = self.peer.conn.recv(60)
