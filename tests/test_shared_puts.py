@@ -70,7 +70,7 @@ def test_bytes_changed_after_the_copy_are_never_sent_stale(where):
     import fate_rdma.federation.shared_puts as sp
     whole = []
     real = sp.xxh3_leaves
-    sp.xxh3_leaves = lambda views: whole.append(1) or real(views)
+    sp.xxh3_leaves = lambda views, first: whole.append(1) or real(views, first)
     try:
         assert s.share(bufs) is None and s.shared_puts == 0 and freed == []  # compared, unpinned, still held
     finally:
@@ -128,9 +128,9 @@ def test_a_copy_compared_while_its_put_finishes_stays_pinned_and_its_room_goes_b
     s = SharedCopies(freed.append)
     real = sp.xxh3_leaves
 
-    def leaves_while_the_first_put_ends(views):
+    def leaves_while_the_first_put_ends(views, first):
         assert s.release(copy) is False and freed == []  # the first put's last transfer ends now
-        return real(views)
+        return real(views, first)
 
     for change, want_shared in ((False, True), (True, False)):
         freed.clear()
@@ -148,3 +148,18 @@ def test_a_copy_compared_while_its_put_finishes_stays_pinned_and_its_room_goes_b
             assert freed == [] and s.held() == 1
             assert s.release(copy) is False
         assert freed == [copy.nbytes] and s.held() == 0
+
+
+@pytest.mark.parametrize("arrays", [[300_000], [700_000, 300_000], [700_000, 600_000, 900_000]])
+def test_the_leaves_after_the_first_are_the_same_as_all_leaves_read_anew(arrays):
+    """share() reads the first block once: xxh3_leaves given its leaf reads only the other blocks (none, for
+    a payload of one block, as a LoRA average's) and must still give every leaf as a whole pass would."""
+    import fate_rdma.federation.shared_puts as sp
+    from fate_rdma.protocol.integrity import blocks, xxh_leaf
+
+    rng = np.random.default_rng(7)
+    views = [memoryview(b"hdr")] + [memoryview(rng.standard_normal(n)).cast("B") for n in arrays]
+    first = xxh_leaf(0, blocks(views, BLOCK_BYTES, 1)[0])
+    assert len(blocks(views, BLOCK_BYTES, 1)) == 1
+    assert sp.xxh3_leaves(views, first) == sp.xxh3_leaves(views)
+    assert sp.xxh3_leaves(views, b"\0" * len(first))[len(first):] == sp.xxh3_leaves(views)[len(first):]

@@ -43,7 +43,7 @@ def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
 INLINE_DIGEST_BYTES = 1 << 20
 
 
-def _map(fn: Callable[[Any], Any], items: Iterable[Any]) -> List[Any]:
+def map_blocks(fn: Callable[[Any], Any], items: Iterable[Any]) -> List[Any]:
     """[fn(x) for x in items]: on the block pool when there are several, else in this thread (one block
     gains nothing from a worker but the hand-offs)."""
     items = list(items)
@@ -61,7 +61,7 @@ def _crc_pieces(pieces: List[memoryview]) -> int:
 
 def payload_checksum(views: Sequence[memoryview]) -> int:
     """crc32c of the per-block crc32c list; independent of how the payload is split into buffers."""
-    return _combine(_map(_crc_pieces, _blocks(views)))
+    return _combine(map_blocks(_crc_pieces, _blocks(views)))
 
 
 def _combine(crcs: List[int]) -> int:
@@ -137,13 +137,13 @@ def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[i
             got[i] = known[i].result()
     todo = [i for i in range(len(blocks)) if i not in got]
     fn = _block_digest_fn(integrity.kind)
-    got.update(zip(todo, _map(lambda i: fn(i, blocks[i]), todo)))
+    got.update(zip(todo, map_blocks(lambda i: fn(i, blocks[i]), todo)))
     return _from_blocks(integrity.kind, got)
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
     """The keyed BLAKE2b leaf digests of the payload's blocks (integrity.leaves), in parallel."""
-    return leaves(key, views, _map)
+    return leaves(key, views, map_blocks)
 
 
 def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
@@ -151,7 +151,7 @@ def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
     if integrity.kind == "crc32c":
         return payload_checksum(views)
     if integrity.kind == "xxh3":
-        return xxh_leaves(views, _map)
+        return xxh_leaves(views, map_blocks)
     return payload_leaves(views, integrity.key) if integrity.kind == "blake2b" else None
 
 

@@ -22,22 +22,28 @@ import numpy as np
 
 from easypyverbs.buffers import address_of, as_byte_view
 
-from ..channel.checksum import payload_digest
+from ..channel.checksum import map_blocks, payload_digest
 from ..channel.transfer import Fill
 from ..protocol.integrity import BLOCK_BYTES, Integrity, blocks, xxh_leaf
 
 _XXH3 = Integrity("xxh3")
 
 
-def xxh3_leaves(views: Sequence[memoryview]) -> bytes:
-    """Every block's XXH3 leaf of `views`, in parallel: what the copy's Fill.digests hold, in order."""
-    return cast(bytes, payload_digest(_XXH3, views))
+def xxh3_leaves(views: Sequence[memoryview], first: bytes = b"") -> bytes:
+    """Every block's XXH3 leaf of `views`, in parallel: what the copy's Fill.digests hold, in order; with
+    `first`, the first block's leaf already taken (only the others are read: none, for one block)."""
+    if not first:
+        return cast(bytes, payload_digest(_XXH3, views))
+    rest = blocks(views)[1:]
+    return first + b"".join(map_blocks(lambda ib: xxh_leaf(ib[0] + 1, ib[1]), list(enumerate(rest))))
 
 
-def signature(bufs: Sequence[Any]) -> List[Any]:
+def signature(bufs: Sequence[Any], views: Optional[Sequence[memoryview]] = None) -> List[Any]:
     """What must be equal for two puts to be candidates: each buffer's address and size; a bytes object
-    (an array frame's header pickle and padding, made anew by every put) by value."""
-    return [b if isinstance(b, bytes) else (address_of(as_byte_view(b)), as_byte_view(b).nbytes) for b in bufs]
+    (an array frame's header pickle and padding, made anew by every put) by value. `views`: the buffers'
+    byte views (as_byte_view), where the caller has them."""
+    views = views if views is not None else [as_byte_view(b) for b in bufs]
+    return [b if isinstance(b, bytes) else (address_of(v), v.nbytes) for b, v in zip(bufs, views)]
 
 
 class _Copy:
@@ -83,21 +89,22 @@ class SharedCopies:
     def share(self, bufs: Sequence[Any]) -> Optional[Tuple[np.ndarray, Fill]]:
         """A held, complete copy of exactly the bytes of `bufs` now, with its (finished) fill, counted as
         one more user; None if there is none (nothing held from these buffers, or their bytes changed)."""
+        if not self._copies:  # (the common case, without the views: a first put)
+            return None
+        views = [as_byte_view(b) for b in bufs]
+        sig = signature(bufs, views)
         with self._lock:
-            if not self._copies:
-                return None
-            sig = signature(bufs)
             found = [c for c in self._copies.values() if c.leaves is not None and c.sig == sig]
             for c in found:  # pinned while compared
                 c.users += 1
         if not found:
             return None
         match: Optional[_Copy] = None
-        try:  # outside the lock: the one pass over the bytes, after the first block's (arrays changed in place
-            views = [as_byte_view(b) for b in bufs]  # since differ there: no need to read the rest)
-            first = xxh_leaf(0, blocks(views)[0])
+        try:  # outside the lock: the one pass over the bytes, the first block's first (arrays changed in place
+            # since differ there: no need to read the rest)
+            first = xxh_leaf(0, blocks(views, BLOCK_BYTES, 1)[0])
             if any(c.leaves[:len(first)] == first for c in found):
-                leaves = xxh3_leaves(views)
+                leaves = xxh3_leaves(views, first)
                 match = next((c for c in reversed(found) if c.leaves == leaves), None)
         finally:
             for c in found:

@@ -63,15 +63,17 @@ _NAMES = {"crc32c": "crc32c", "xxh3": "an XXH3 tag", "blake2b": "a BLAKE2b MAC",
 Digest = Union[int, bytes, None]
 
 
-def blocks(views: Sequence[memoryview], size: int = BLOCK_BYTES) -> List[List[memoryview]]:
+def blocks(views: Sequence[memoryview], size: int = BLOCK_BYTES, most: int = 0) -> List[List[memoryview]]:
     """Fixed `size` (BLOCK_BYTES) blocks of the concatenated payload, each as the pieces of the buffers it
-    covers (no copy)."""
+    covers (no copy); with `most`, only the first `most` blocks."""
     out: List[List[memoryview]] = []
     room = 0
     for v in views:
         pos = 0
         while pos < v.nbytes:
             if room == 0:
+                if most and len(out) == most:
+                    return out
                 out.append([])
                 room = size
             take = min(room, v.nbytes - pos)
