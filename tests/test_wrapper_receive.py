@@ -123,3 +123,80 @@ def test_the_receive_loop_holds_no_payload_while_it_waits_for_the_next():
     finally:
         fed._stop = True
         rx.join(5)
+
+
+class _Msg:
+    """What the wrapper's take reads of a channel Message."""
+
+    def __init__(self, nbytes, md, lent=False):
+        self.nbytes, self.metadata, self.lent, self.peer, self.transfer_id = nbytes, md, lent, "127.0.0.1:2", 7
+        self.released = False
+
+    def detach(self):
+        return memoryview(bytes(self.nbytes))
+
+    def release(self):
+        self.released = True
+
+
+def test_small_messages_are_stored_by_the_thread_that_completes_them_large_ones_left_to_the_loop():
+    """Endpoint.on_message: a message up to INLINE_TAKE_BYTES reaches the store without the receive loop (no
+    hand-off between threads); a larger one is left to the loop, whose copy out of a slot may take long."""
+    from fate_rdma.federation.receiving import INLINE_TAKE_BYTES
+
+    fed = loop_over(BrokenEndpoint(after_s=3600))
+    fed.stats = {"lent_bytes": 0}
+    assert fed._take_inline(_Msg(1000, {"id": "small"})) is True
+    assert bytes(fed._store.take("small", 1)) == bytes(1000)
+    assert fed._take_inline(_Msg(INLINE_TAKE_BYTES + 1, {"id": "large"})) is False and len(fed._store) == 0
+    odd = _Msg(10, {"id": "x", "announce": True})  # descriptors differ: said, let go, nothing stored
+    fed._party_at, fed.fed = {}, type("Fed", (), {"session_id": "job-1"})()
+    assert fed._take_inline(odd) is True and odd.released and len(fed._store) == 0
+    fed._stop = True  # closing: nothing more is taken inline
+    assert fed._take_inline(_Msg(10, {"id": "late"})) is False
+
+
+def test_a_take_that_fails_fails_the_gets_as_the_loop_would():
+    fed = loop_over(BrokenEndpoint(after_s=3600))
+    fed.stats = {"lent_bytes": 0}
+    bad = _Msg(10, {"id": "p"})
+    bad.detach = lambda: (_ for _ in ()).throw(MemoryError("no room for the copy"))
+    assert fed._take_inline(bad) is True
+    with pytest.raises(E.PeerUnreachable, match="no room for the copy"):
+        fed._store.take("p", timeout_s=5)
+
+
+def test_endpoint_offers_each_message_to_its_taker_before_the_inbox(caplog):
+    """A taker that takes a message keeps it out of the inbox; one that declines or raises leaves it there."""
+    import numpy as np
+
+    from fate_rdma.channel import Endpoint
+    from fate_rdma.config import ChannelConfig
+
+    cfg = ChannelConfig(mode="fedrdma-e", provider="soft")
+    rx, tx = Endpoint(cfg), Endpoint(cfg)
+    with rx, tx:
+        taken = []
+
+        def take(msg):
+            if msg.metadata["do"] == "raise":
+                raise RuntimeError("taker broke")
+            if msg.metadata["do"] == "take":
+                taken.append((threading.current_thread().name, bytes(msg.detach())))
+                return True
+            return False
+
+        rx.on_message(take)
+        data = np.arange(100, dtype=np.uint8)
+        tx.send(rx.address, data, {"do": "take"}).result(30)
+        with pytest.raises(E.TransferTimeout):
+            rx.recv(timeout=0.3)
+        assert [t[1] for t in taken] == [data.tobytes()] and taken[0][0] != threading.current_thread().name
+        for do in ("decline", "raise"):
+            tx.send(rx.address, data, {"do": do}).result(30)
+            msg = rx.recv(timeout=30)
+            assert msg.metadata["do"] == do and bytes(msg.detach()) == data.tobytes()
+        assert any("taker failed" in r.getMessage() for r in caplog.records)
+        rx.on_message(None)
+        tx.send(rx.address, data, {"do": "take"}).result(30)
+        assert rx.recv(timeout=30).metadata["do"] == "take" and len(taken) == 1

@@ -117,6 +117,8 @@ class Endpoint:
         self._lock = threading.Lock()
         self._dialing: Dict[str, threading.Lock] = {}
         self._inbox: "queue.Queue[Message]" = queue.Queue()
+        #: on_message's taker: offered each complete message in the delivering thread before the inbox
+        self._taker: Optional[Callable[[Message], bool]] = None
         self.recv_buffers = RecvBuffers(config.recv_cache_bytes)
         self.budget = Budget(config.budget_bytes)
         self._pending = threading.BoundedSemaphore(config.max_pending_handshakes)
@@ -365,8 +367,23 @@ class Endpoint:
         trace.event("c_send", at=began, tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
         return fut
 
+    def on_message(self, take: Optional[Callable[[Message], bool]]) -> None:
+        """Offer each complete message to `take(msg)` in the thread that completes it (the connection's, or the
+        soft NIC's), before the inbox: True if it took the message, False to leave it to `recv`. It saves the
+        hand-off to a receiving thread, so it must be quick and never block (what it cannot do quickly, such
+        as a large copy, it leaves to `recv`); what it raises is logged and the message goes to the inbox."""
+        self._taker = take
+
     def _inbox_put(self, msg: Message) -> None:
         trace.event("c_deliver", tid=msg.transfer_id, bytes=msg.nbytes, peer=msg.peer)
+        take = self._taker
+        if take is not None:
+            try:
+                if take(msg):
+                    return
+            except Exception:
+                log.exception("fate-rdma endpoint %s: a message taker failed; transfer %d goes to the inbox",
+                              self.name, msg.transfer_id)
         self._inbox.put(msg)
 
     def recv(self, timeout: Optional[float] = None) -> Message:

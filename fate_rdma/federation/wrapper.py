@@ -29,10 +29,11 @@ from ..channel import Endpoint
 from ..channel.buffers import RecvBuffers
 from ..channel.checksum import block_digest
 from ..channel.transfer import Fill
-from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable, TransferTimeout
+from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable
 from ..protocol.integrity import BLOCK_BYTES
 from . import fate_path, frames
 from .config import RdmaFederationConfig, party_key
+from .receiving import Receiving
 from .shared_puts import SharedCopies
 from .store import Store
 
@@ -45,7 +46,7 @@ UNSLICED = 1 << 62
 WAIT_REMIND_S = 300.0
 
 
-class RdmaFederation:
+class RdmaFederation(Receiving):
     """Installed on a FATE Federation instance by `wrap()`; replaces its byte push/pull."""
 
     def __init__(self, fed: Any, computing: Any, cfg: RdmaFederationConfig) -> None:
@@ -93,6 +94,7 @@ class RdmaFederation:
         log.log(logging.INFO if huge_ok else logging.WARNING, "fate-rdma: %s: %s", party_key(self.local), huge_said)
         self._rx = threading.Thread(target=self._receive, name="fate-rdma-federation-rx", daemon=True)
         self._rx.start()
+        self.endpoint.on_message(self._take_inline)
         fed._push_bytes = self._push_bytes
         fed._pull_bytes = self._pull_bytes
         fed._destroy = self._destroy
@@ -107,74 +109,6 @@ class RdmaFederation:
             log.info("fate-rdma: federation of %s (%s) moves payloads >= %d bytes over %s at %s; descriptors through "
                      "FATE's federation (%s)", party_key(self.local), type(fed).__name__, self.threshold,
                      self.endpoint.label, me, why)
-
-    # -- receiving ------------------------------------------------------------------------------
-    def _receive(self) -> None:
-        try:
-            while not self._stop:
-                # put copies unused for pool_idle_s are let go of (as the endpoint's idle slots and buffers)
-                self.put_copies.trim(self.cfg.channel.pool_idle_s)
-                try:
-                    msg = self.endpoint.recv(timeout=0.5)
-                except TransferTimeout:
-                    continue
-                md = msg.metadata if isinstance(msg.metadata, dict) else {}
-                key: Any = md.get("id")
-                if bool(md.get("announce")) != self.announce:  # nobody would take it: say why, let it go
-                    self._mismatch(md, msg.peer)
-                    msg.release()
-                    continue
-                if self.announce:
-                    key, why = self._announced_key(md, msg.peer)
-                    if key is None:
-                        log.warning("fate-rdma: dropped transfer %d from %s: %s", msg.transfer_id, msg.peer, why)
-                        msg.release()
-                        continue
-                data = msg.detach()  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
-                if msg.lent:
-                    self.stats["lent_bytes"] += data.nbytes
-                trace.event("stored", tid=msg.transfer_id, peer=msg.peer, name=md.get("name"), tag=md.get("tag"),
-                            src=md.get("src"))
-                if isinstance(key, tuple):
-                    self._store.put(key, (md, data))
-                elif isinstance(key, str):
-                    self._store.put(key, data)
-                else:
-                    log.warning("fate-rdma: dropped transfer %d from %s: its metadata carries no payload id",
-                                msg.transfer_id, msg.peer)
-                # not held while this loop waits for the next one: a payload FATE has let go of is then
-                # unreferenced, and its reassembly buffer is recycled for the next (already faulted-in)
-                del msg, data
-        except BaseException as exc:  # every waiting get() learns why at once, instead of timing out
-            if not self._stop:
-                log.error("fate-rdma: receive loop of %s failed; pending and later gets fail: %r",
-                          party_key(self.local), exc)
-            self._store.fail(exc)
-
-    def _mismatch(self, md: Dict[str, Any], peer: str) -> None:
-        """A peer that resolved `descriptors` differently: say so; with channel descriptors here, the get
-        waiting for that object fails at once instead of after pull_timeout_s."""
-        mine, theirs = ("channel", "fate") if self.announce else ("fate", "channel")
-        err = ConfigError(f"fate-rdma: party {self._party_at.get(peer, peer)} sends with descriptors: {theirs}, party "
-                          f"{party_key(self.local)} receives with descriptors: {mine}: set the same descriptors (and "
-                          "secret_file, tls, fallback) at every party")
-        log.error("%s", err)
-        name, tag, src = md.get("name"), md.get("tag"), self._party_at.get(peer)
-        ours = md.get("session") == self.fed.session_id and md.get("dst") == party_key(self.local)
-        if self.announce and ours and isinstance(name, str) and isinstance(tag, str) and src == md.get("src"):
-            self._store.put(("obj", self.fed.session_id, name, tag, src), err)
-
-    def _announced_key(self, md: Dict[str, Any], peer: str) -> Tuple[Optional[tuple], str]:
-        """The store key of an object announced over the channel (descriptors: channel), or None and why not:
-        it must be for this party and this job, from the party whose endpoint the connection proved."""
-        name, tag, src = md.get("name"), md.get("tag"), md.get("src")
-        if not (isinstance(name, str) and isinstance(tag, str) and isinstance(src, str)):
-            return None, "its metadata lacks a name, tag or source party"
-        if md.get("session") != self.fed.session_id or md.get("dst") != party_key(self.local):
-            return None, f"it is for session {md.get('session')!r}, party {md.get('dst')!r}, not this one"
-        if self._party_at.get(peer) != src:
-            return None, f"it names party {src!r}, but came from {peer} ({self._party_at.get(peer) or 'no party'})"
-        return ("obj", md["session"], name, tag, src), ""
 
     # -- push -----------------------------------------------------------------------------------
     def frame(self, value: Any) -> Optional[frames.OutFrame]:
@@ -444,5 +378,6 @@ class RdmaFederation:
                             party_key(self.local), self._store.dropped)
             self._stop = True
             self._fallback_tables.clear()
+            self.endpoint.on_message(None)
             self.endpoint.close()
             self._rx.join(timeout=2)
