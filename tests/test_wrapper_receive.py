@@ -126,29 +126,36 @@ def test_the_receive_loop_holds_no_payload_while_it_waits_for_the_next():
 
 
 class _Msg:
-    """What the wrapper's take reads of a channel Message."""
+    """What the wrapper's take reads of a channel Message; `lent`: detach lends it in place (no copy)."""
 
     def __init__(self, nbytes, md, lent=False):
         self.nbytes, self.metadata, self.lent, self.peer, self.transfer_id = nbytes, md, lent, "127.0.0.1:2", 7
         self.released = False
 
-    def detach(self):
+    def detach(self, copy_up_to=None):
+        if not self.lent and copy_up_to is not None and self.nbytes > copy_up_to:
+            return None  # (Message.detach: a copy larger than allowed is not made)
+        self.released = not self.lent
         return memoryview(bytes(self.nbytes))
 
     def release(self):
         self.released = True
 
 
-def test_small_messages_are_stored_by_the_thread_that_completes_them_large_ones_left_to_the_loop():
-    """Endpoint.on_message: a message up to INLINE_TAKE_BYTES reaches the store without the receive loop (no
-    hand-off between threads); a larger one is left to the loop, whose copy out of a slot may take long."""
-    from fate_rdma.federation.receiving import INLINE_TAKE_BYTES
+def test_messages_are_stored_by_the_thread_that_completes_them_unless_a_large_copy_is_needed():
+    """Endpoint.on_message: a message reaches the store without the receive loop (no hand-off between threads),
+    lent in place whatever its size; one that would need a copy of more than INLINE_COPY_BYTES is left to the
+    loop (the completing thread must not wait for it)."""
+    from fate_rdma.federation.receiving import INLINE_COPY_BYTES
 
     fed = loop_over(BrokenEndpoint(after_s=3600))
     fed.stats = {"lent_bytes": 0}
     assert fed._take_inline(_Msg(1000, {"id": "small"})) is True
     assert bytes(fed._store.take("small", 1)) == bytes(1000)
-    assert fed._take_inline(_Msg(INLINE_TAKE_BYTES + 1, {"id": "large"})) is False and len(fed._store) == 0
+    assert fed._take_inline(_Msg(INLINE_COPY_BYTES + 1, {"id": "copied"})) is False and len(fed._store) == 0
+    lent = _Msg(4 * INLINE_COPY_BYTES, {"id": "lent"}, lent=True)
+    assert fed._take_inline(lent) is True and fed._store.take("lent", 1).nbytes == lent.nbytes
+    assert fed.stats["lent_bytes"] == lent.nbytes
     odd = _Msg(10, {"id": "x", "announce": True})  # descriptors differ: said, let go, nothing stored
     fed._party_at, fed.fed = {}, type("Fed", (), {"session_id": "job-1"})()
     assert fed._take_inline(odd) is True and odd.released and len(fed._store) == 0
@@ -156,12 +163,12 @@ def test_small_messages_are_stored_by_the_thread_that_completes_them_large_ones_
     assert fed._take_inline(_Msg(10, {"id": "late"})) is False
 
 
-def test_a_take_that_fails_fails_the_gets_as_the_loop_would():
+def test_a_take_that_fails_fails_the_gets_as_the_loop_would_and_gives_the_slot_back():
     fed = loop_over(BrokenEndpoint(after_s=3600))
     fed.stats = {"lent_bytes": 0}
     bad = _Msg(10, {"id": "p"})
-    bad.detach = lambda: (_ for _ in ()).throw(MemoryError("no room for the copy"))
-    assert fed._take_inline(bad) is True
+    bad.detach = lambda copy_up_to=None: (_ for _ in ()).throw(MemoryError("no room for the copy"))
+    assert fed._take_inline(bad) is True and bad.released
     with pytest.raises(E.PeerUnreachable, match="no room for the copy"):
         fed._store.take("p", timeout_s=5)
 
@@ -200,3 +207,16 @@ def test_endpoint_offers_each_message_to_its_taker_before_the_inbox(caplog):
         rx.on_message(None)
         tx.send(rx.address, data, {"do": "take"}).result(30)
         assert rx.recv(timeout=30).metadata["do"] == "take" and len(taken) == 1
+
+
+def test_detach_makes_no_copy_larger_than_asked_and_leaves_the_message_as_it_was():
+    import numpy as np
+
+    from fate_rdma.channel.transfer import Message
+
+    released = []
+    payload = np.arange(3000, dtype=np.uint8)
+    msg = Message("peer", 1, {}, memoryview(payload), "fedrdma-e", lambda: released.append(1), None, None)
+    assert msg.detach(copy_up_to=1000) is None and released == [] and msg.nbytes == 3000
+    got = msg.detach(copy_up_to=3000)
+    assert bytes(got) == payload.tobytes() and released == [1]

@@ -371,7 +371,8 @@ class Endpoint:
         """Offer each complete message to `take(msg)` in the thread that completes it (the connection's, or the
         soft NIC's), before the inbox: True if it took the message, False to leave it to `recv`. It saves the
         hand-off to a receiving thread, so it must be quick and never block (what it cannot do quickly, such
-        as a large copy, it leaves to `recv`); what it raises is logged and the message goes to the inbox."""
+        as a large copy, it leaves to `recv`). A taker that raises has failed before touching the message (it
+        must not raise after detaching or releasing it): the error is logged and the message goes to the inbox."""
         self._taker = take
 
     def _inbox_put(self, msg: Message) -> None:

@@ -230,13 +230,14 @@ class Message:
     def nbytes(self) -> int:
         return self.view.nbytes
 
-    def detach(self) -> memoryview:
+    def detach(self, copy_up_to: Optional[int] = None) -> Optional[memoryview]:
         """The payload as a byte view that outlives the message. Zero copy when the payload has a buffer
         of its own (FedRDMA reassembly). A FedRDMA-E receive slot of at least LEND_MIN_BYTES is lent in
         place when its connection can spare it (`lend`: at most all but one of the peer's slots): the
         slot goes back to the sender when the last object made from the view is gone (a weak reference
         on the one array every such object holds). Otherwise one copy, into a recycled buffer of the
-        endpoint, and the slot goes back now."""
+        endpoint, and the slot goes back now; with `copy_up_to`, only of at most that many bytes: a larger
+        copy is not made (None, the message unchanged: a thread that must not wait for it leaves it to another)."""
         view = self.view
         with self._lock:  # asked and taken at once: a release() meanwhile waits, then finds nothing to do
             fn = self._releaser
@@ -251,6 +252,8 @@ class Message:
             weakref.finalize(anchor, fn).atexit = False  # (at exit the connection is gone with it)
             return memoryview(anchor)
         if self._releaser is not None:
+            if copy_up_to is not None and view.nbytes > copy_up_to:
+                return None
             buf = self._alloc(view.nbytes) if self._alloc is not None else np.empty(view.nbytes, dtype=np.uint8)
             copy_into(buf, 0, view)  # without the GIL: gigabytes into fresh memory take seconds
             view = memoryview(buf).cast("B")

@@ -1,11 +1,12 @@
 """The federation wrapper's receive side (federation/wrapper.py): each complete message from the channel is
 checked (for this job and this party, from the party its connection proved) and stored for FATE's get.
 
-A message of up to INLINE_TAKE_BYTES is stored by the thread that completed it (Endpoint.on_message: the
-connection's, or the soft NIC's), so FATE's waiting get wakes without a hand-off to the receive loop's
-thread first (0.2-0.6 ms a message on a busy 2-core machine, traced: `bench fate --trace`, c_deliver to
-stored). Larger ones, whose copy out of a receive slot (when it cannot be lent) would hold that thread,
-go through the loop, as every message did before.
+A message is stored by the thread that completed it (Endpoint.on_message: the connection's, or the soft
+NIC's), so FATE's waiting get wakes without a hand-off to the receive loop's thread first (0.2-0.6 ms a
+message on a busy 2-core machine, traced: `bench fate --trace`, c_deliver to stored), unless it would have to
+be copied out of its receive slot (a slot that cannot be lent) and is larger than INLINE_COPY_BYTES: such a
+copy would hold that thread (the connection's turn, the NIC's answers), so it goes through the loop, as
+every message did before.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from .config import party_key
 
 log = logging.getLogger("fate_rdma.federation")
 
-#: the largest message taken in the thread that completed it (larger: the receive loop's thread)
-INLINE_TAKE_BYTES = 16 << 20
+#: the largest copy out of a receive slot made in the thread that completed the message (larger: the loop's)
+INLINE_COPY_BYTES = 1 << 20
 
 
 class Receiving:
@@ -29,14 +30,16 @@ class Receiving:
     _lent_lock = threading.Lock()  # (stats["lent_bytes"] is counted from several threads)
 
     def _take_inline(self, msg: Any) -> bool:
-        """Endpoint.on_message: store `msg` now if it is small enough (True), else leave it to the loop."""
-        if self._stop or msg.nbytes > INLINE_TAKE_BYTES:
+        """Endpoint.on_message: store `msg` now (True) unless that needs a copy of more than INLINE_COPY_BYTES
+        or the wrapper is closing (False: the loop takes it). Never raises: a failure fails the gets."""
+        if self._stop:
             return False
         try:
-            self._take(msg)
+            return self._take(msg, INLINE_COPY_BYTES)
         except Exception as exc:  # as the loop's own failure: every waiting and later get learns why at once
-            self._rx_failed(exc)
-        return True
+            msg.release()  # (the slot goes back; idempotent)
+            self._rx_failed(exc.with_traceback(None))  # (kept by the store: not with this frame and `msg`)
+            return True
 
     def _receive(self) -> None:
         try:
@@ -58,21 +61,24 @@ class Receiving:
                       party_key(self.local), exc)
         self._store.fail(exc)
 
-    def _take(self, msg: Any) -> None:
-        """Store one complete message for its get (or say why not, and let it go)."""
+    def _take(self, msg: Any, copy_up_to: Optional[int] = None) -> bool:
+        """Store one complete message for its get (or say why not, and let it go): True; False (nothing done)
+        where that needs a copy of more than `copy_up_to` bytes."""
         md = msg.metadata if isinstance(msg.metadata, dict) else {}
         key: Any = md.get("id")
         if bool(md.get("announce")) != self.announce:  # nobody would take it: say why, let it go
             self._mismatch(md, msg.peer)
             msg.release()
-            return
+            return True
         if self.announce:
             key, why = self._announced_key(md, msg.peer)
             if key is None:
                 log.warning("fate-rdma: dropped transfer %d from %s: %s", msg.transfer_id, msg.peer, why)
                 msg.release()
-                return
-        data = msg.detach()  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
+                return True
+        data = msg.detach(copy_up_to)  # FATE (or a frame's arrays) use it in place: a FedRDMA-E slot lent, or copied
+        if data is None:
+            return False
         if msg.lent:
             with self._lent_lock:
                 self.stats["lent_bytes"] += data.nbytes
@@ -85,6 +91,7 @@ class Receiving:
         else:
             log.warning("fate-rdma: dropped transfer %d from %s: its metadata carries no payload id",
                         msg.transfer_id, msg.peer)
+        return True
 
     def _mismatch(self, md: Dict[str, Any], peer: str) -> None:
         """A peer that resolved `descriptors` differently: say so; with channel descriptors here, the get
