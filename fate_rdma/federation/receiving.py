@@ -15,13 +15,15 @@ import threading
 from typing import Any, Dict, Optional, Tuple
 
 from .. import trace
+from ..channel.buffers import GIL_COPY_BYTES
 from ..errors import ConfigError, TransferTimeout
 from .config import party_key
 
 log = logging.getLogger("fate_rdma.federation")
 
-#: the largest copy out of a receive slot made in the thread that completed the message (larger: the loop's)
-INLINE_COPY_BYTES = 1 << 20
+#: the largest copy out of a receive slot made in the thread that completed the message (larger: the loop's):
+#: one short enough to hold the GIL for (buffers.GIL_COPY_BYTES, ~0.1 ms), so short enough to hold that thread
+INLINE_COPY_BYTES = GIL_COPY_BYTES
 
 
 class Receiving:

@@ -16,26 +16,21 @@ compares its bytes with it, so the first put's transfers finishing meanwhile do 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from easypyverbs.buffers import address_of, as_byte_view
 
-from ..channel.checksum import map_blocks, payload_digest
+from ..channel.checksum import map_blocks
 from ..channel.transfer import Fill
-from ..protocol.integrity import BLOCK_BYTES, Integrity, blocks, xxh_leaf
-
-_XXH3 = Integrity("xxh3")
+from ..protocol.integrity import BLOCK_BYTES, blocks, xxh_leaf, xxh_leaves
 
 
 def xxh3_leaves(views: Sequence[memoryview], first: bytes = b"") -> bytes:
     """Every block's XXH3 leaf of `views`, in parallel: what the copy's Fill.digests hold, in order; with
     `first`, the first block's leaf already taken (only the others are read: none, for one block)."""
-    if not first:
-        return cast(bytes, payload_digest(_XXH3, views))
-    rest = blocks(views)[1:]
-    return first + b"".join(map_blocks(lambda ib: xxh_leaf(ib[0] + 1, ib[1]), list(enumerate(rest))))
+    return xxh_leaves(views, map_blocks, first)
 
 
 def signature(bufs: Sequence[Any], views: Optional[Sequence[memoryview]] = None) -> List[Any]:

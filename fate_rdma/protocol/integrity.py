@@ -112,9 +112,11 @@ def xxh_leaf(index: int, pieces: Sequence[memoryview]) -> bytes:
     return h.digest()
 
 
-def xxh_leaves(views: Sequence[memoryview], map_: Callable = map) -> bytes:
-    """Every block's XXH3 leaf, one after another; `map_` may run them in parallel (xxhash releases the GIL)."""
-    return b"".join(map_(lambda ib: xxh_leaf(ib[0], ib[1]), enumerate(blocks(views))))
+def xxh_leaves(views: Sequence[memoryview], map_: Callable = map, first: bytes = b"") -> bytes:
+    """Every block's XXH3 leaf, one after another; `map_` may run them in parallel (xxhash releases the GIL).
+    `first`: the first block's leaf, already taken (that block is not read again)."""
+    todo = list(enumerate(blocks(views)))[1 if first else 0:]
+    return first + b"".join(map_(lambda ib: xxh_leaf(ib[0], ib[1]), todo))
 
 
 def _tagged(h: Any, header: Header, meta: bytes, leaf_digests: bytes, mac: bool) -> bytes:
