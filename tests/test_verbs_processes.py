@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import easypyverbs as ev
+from easypyverbs.providers.soft.shm import works as shm_works
 from fate_rdma.bench.driver import PeerProcess, connect_verbs, stream_writes
 
 
@@ -73,7 +74,7 @@ def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():
         {"paired_raw_tcp_seconds": 2.0, "x_raw_tcp": 0.5}
     assert _paired({"paired": [], "times": [1.0]}) == {}
     base = [sys.executable, "-m", "fate_rdma.cli", "bench", "transfer", "--payload-mib", "4", "--reps", "2",
-            "--scenarios", "loopback-tcp,link-10g-20ms", "--methods", "raw_tcp,raw_tcp_checked,fedrdma-e", "--windows", "auto"]
+            "--scenarios", "loopback-tcp,link-10g-20ms", "--methods", "raw_tcp,raw_tcp_checked,shm_copy_checked,fedrdma-e", "--windows", "auto"]
     for extra, paired in (([], True), (["--unpaired", "--checksum", "none"], False)):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -87,11 +88,15 @@ def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():
             assert checked["checksum"] == "xxh3" and checked["seconds"] > 0 and checked["cpu_recv_s_per_gb"] > 0
             assert f"fedrdma-e / raw TCP with the same xxh3 check on both sides = " \
                 f"{checked['seconds'] / e['seconds']:.2f}" in out.stdout
-            assert e["x_raw_tcp"] > 0 and e["paired_raw_tcp_seconds"] > 0
+            assert e["x_raw_tcp"] > 0 and e["paired_raw_tcp_seconds"] > 0 and checked["x_raw_tcp"] > 0
+            copied = rows[("loopback", "shm_copy_checked")]  # (the same host's copy, whatever scenario ran first)
+            if shm_works():  # (else the row is skipped with the reason)
+                assert copied["checksum"] == "xxh3" and copied["seconds"] > 0 and copied["x_raw_tcp"] > 0, copied
             assert f"{e['x_raw_tcp']:.2f} (median of 2 pairs, each beside a raw TCP transfer; {block} against the " \
                 "raw TCP row) (target >= 0.95)" in out.stdout
         else:  # (no checksum: nothing for raw TCP to pay for)
             assert "seconds" not in checked and "skipped raw_tcp_checked: raw TCP has no none check" in out.stdout
+            assert "skipped shm_copy_checked: no none check to price on a plain copy" in out.stdout
             assert "x_raw_tcp" not in e and "median of" not in out.stdout
             assert f"{block} (against the raw TCP row) (target >= 0.95)" in out.stdout
 

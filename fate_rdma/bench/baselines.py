@@ -1,8 +1,10 @@
-"""The transfer bench's baselines over loopback TCP: raw TCP (plain, and with the channel's check,
-checked_tcp.py), gRPC and Mooncake TE, each moving the same payload to the peer process; and the pairing
-of the channel's transfers with raw TCP ones (`bench transfer`, transfer.py)."""
+"""The transfer bench's baselines: over loopback TCP raw TCP (plain, and with the channel's check,
+checked_tcp.py), gRPC and Mooncake TE, on the same host the cheapest copy out of the sender's shared memory
+(plain, and with the check, checked_shm.py), each moving the same payload to the peer process; and the
+pairing of the channel's transfers with raw TCP ones (`bench transfer`, transfer.py)."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -10,7 +12,9 @@ import crc32c
 import numpy as np
 
 from ..config import ChannelConfig
-from . import checked_tcp, mooncake
+from easypyverbs.buffers import shared_array
+
+from . import checked_shm, checked_tcp, mooncake
 from .cpu import cpu_s
 from .driver import PeerProcess, RawTcp
 from .report import median
@@ -68,20 +72,24 @@ def paired(res: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def run_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int, add: Any,
-                  checksum: str = ChannelConfig.checksum) -> Optional[RawTcp]:
+                  checksum: str = ChannelConfig.checksum, pairs: bool = True) -> Optional[RawTcp]:
     """Raw TCP (with `raw_tcp_checked`, once more with the channel's `checksum` done on both sides), gRPC and
-    Mooncake TE over loopback TCP, each against the same payload. The raw TCP connection stays open (returned)
-    for the channel's rows to pair their transfers with."""
-    raw = RawTcp(peer) if {"raw_tcp", "raw_tcp_checked"} & set(methods) else None
+    Mooncake TE over loopback TCP, and the same-host copies (checked_shm.py), each against the same payload;
+    with `pairs`, the checked and the copy rows' transfers each paired with a raw TCP one. The raw TCP
+    connection stays open (returned) for the channel's rows to pair their transfers with."""
+    raw = RawTcp(peer) if {"raw_tcp", "raw_tcp_checked", *checked_shm.METHODS} & set(methods) else None
     try:
         if raw is not None and "raw_tcp" in methods:
             _raw_row(peer, scen, pair(raw, data), reps, add, {"method": "raw_tcp"})
         if raw is not None and "raw_tcp_checked" in methods:
             if checksum in checked_tcp.KINDS:
-                _raw_row(peer, scen, pair(raw, data, checksum), reps, add, {"method": "raw_tcp_checked", "checksum": checksum})
+                _raw_row(peer, scen, pair(raw, data, checksum), reps, add, {"method": "raw_tcp_checked", "checksum": checksum},
+                         pair_with=pair(raw, data) if pairs else None)
             else:
                 add({"scenario": scen, "method": "raw_tcp_checked", "checksum": checksum,
                      "skipped": f"raw TCP has no {checksum} check to price (it takes crc32c or xxh3: --checksum)"})
+        if raw is not None and set(checked_shm.METHODS) & set(methods):
+            _shm_rows(peer, raw, methods, data, reps, add, checksum, pairs)
         _other_baselines(peer, scen, methods, data, reps, add)
     except BaseException:
         if raw is not None:
@@ -90,19 +98,67 @@ def run_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.nda
     return raw
 
 
-def _raw_row(peer: PeerProcess, scen: str, stream: Callable[[], float], reps: int, add: Any, fields: Dict[str, Any]) -> None:
-    """A raw TCP row: a warm-up, then `reps` transfers with the CPU of both sides."""
+def _raw_row(peer: PeerProcess, scen: str, stream: Callable[[], float], reps: int, add: Any, fields: Dict[str, Any],
+             pair_with: Optional[Callable[[], float]] = None) -> None:
+    """A baseline's row: a warm-up, then `reps` transfers with the CPU of both sides; with `pair_with` (a raw
+    TCP transfer), each paired with one of those as the channel's rows are (`paired`)."""
     stream()  # warm-up
-    ts, cpu_send, cpu_recv = [], [], []
-    for _ in range(reps):
+    ts, cpu_send, cpu_recv, pairs = [], [], [], []
+    for i in range(reps):
+        if pair_with is not None and i % 2 == 0:
+            pairs.append(pair_with())
         c_recv = peer.cmd({"cmd": "mark"})["cpu_s"]
         c_send = cpu_s()
         ts.append(stream())
         cpu_send.append(cpu_s() - c_send)
         cpu_recv.append(peer.cmd({"cmd": "cpu"})["cpu_s"] - c_recv)
+        if pair_with is not None and i % 2 == 1:
+            pairs.append(pair_with())
     r = peer.cmd({"cmd": "peak"})
     add({"scenario": scen, "window": None, "provider": "tcp", "path": "tcp", "emulated": False, **fields,
-         "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"], "chunks": None}, cpu_send, cpu_recv)
+         "seconds": round(median(ts), 4), "extra_rss_bytes": r["extra_rss_bytes"], "chunks": None,
+         **paired({"paired": pairs, "times": ts})}, cpu_send, cpu_recv)
+
+
+def shm_copy(raw: RawTcp, data: np.ndarray, region: List[int], check: Optional[str]) -> Callable[[], float]:
+    """One same-host copy of `data` (in the shared `region`) by the peer, its seconds: from the peer's "ready" to
+    its acknowledgement; with `check`, this side digests its blocks meanwhile and sends them (checked_shm.py)."""
+    cmd = {"cmd": "shm", "pid": os.getpid(), "region": region, "addr": int(data.ctypes.data), "total_bytes": data.nbytes,
+           "check": check}
+
+    def go() -> float:
+        raw.peer.conn.send(cmd)
+        if raw.sock.recv(1) != b"r":
+            raise RuntimeError(f"same-host copy refused: {raw.peer.conn.recv(60).get('error')}")
+        t0 = time.perf_counter()
+        if check:
+            checked_shm.send_digests(raw.sock, memoryview(data), check)
+        return raw.finish(t0, "same-host copy failed")
+    return go
+
+
+def _shm_rows(peer: PeerProcess, raw: RawTcp, methods: List[str], data: np.ndarray, reps: int, add: Any,
+              checksum: str, pairs: bool) -> None:
+    """The same-host copy rows (scenario `loopback`: they exist only between processes of one host), from
+    `data`'s own shared memory or, for a private source, a shared copy of it made first."""
+    src = data
+    region = checked_shm.sender_region(data)
+    if region is None:
+        src = shared_array(data.nbytes)
+        src[:] = data
+        region = checked_shm.sender_region(src)
+    for m, check in (("shm_copy", None), ("shm_copy_checked", checksum)):
+        if m not in methods:
+            continue
+        fields = {"scenario": "loopback", "method": m, "checksum": check or "none"}
+        if check is not None and check not in checked_tcp.KINDS:
+            add({**fields, "skipped": f"no {check} check to price on a plain copy (it takes crc32c or xxh3: --checksum)"})
+            continue
+        try:
+            _raw_row(peer, "loopback", shm_copy(raw, src, region, check), reps, add,  # type: ignore[arg-type]
+                     {**fields, "provider": "memfd", "path": "same-host copy"}, pair_with=pair(raw, data) if pairs else None)
+        except RuntimeError as exc:
+            add({**fields, "skipped": str(exc)})
 
 
 def _other_baselines(peer: PeerProcess, scen: str, methods: List[str], data: np.ndarray, reps: int, add: Any) -> None:

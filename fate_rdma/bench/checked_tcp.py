@@ -30,20 +30,23 @@ KINDS = BLOCKWISE
 _LEN = struct.Struct("!I")
 
 
-def _encode(digest: Any) -> bytes:
+def encode(digest: Any) -> bytes:
     return digest if isinstance(digest, bytes) else int(digest).to_bytes(4, "big")
 
 
-def _pieces(nbytes: int) -> List[tuple]:
+def pieces_of_block(b: int, nbytes: int) -> List[Tuple[int, int, int]]:
+    """(block, offset, length) of each piece of block `b` of a payload of `nbytes`, in order."""
+    start = b * BLOCK_BYTES
+    end = min(start + BLOCK_BYTES, nbytes)
+    return [(b, o, min(PIECE_BYTES, end - o)) for o in range(start, end, PIECE_BYTES)]
+
+
+def _pieces(nbytes: int) -> List[Tuple[int, int, int]]:
     """(block, offset, length) of each piece, in order: none crosses a block or exceeds PIECE_BYTES."""
-    out = []
-    for b, start in enumerate(range(0, nbytes, BLOCK_BYTES)):
-        end = min(start + BLOCK_BYTES, nbytes)
-        out.extend((b, o, min(PIECE_BYTES, end - o)) for o in range(start, end, PIECE_BYTES))
-    return out
+    return [p for b in range(-(-nbytes // BLOCK_BYTES)) for p in pieces_of_block(b, nbytes)]
 
 
-def _starter(kind: str) -> Any:
+def starter(kind: str) -> Any:
     start = block_hasher(Integrity(kind)) if kind in KINDS else None
     if start is None:
         raise ValueError(f"raw TCP with a check: checksum {kind!r} has no block-wise digests (only {', '.join(KINDS)})")
@@ -53,13 +56,13 @@ def _starter(kind: str) -> Any:
 def _move(view: memoryview, kind: str, move: Callable[[memoryview], Any], sending: bool) -> Tuple[bytes, int]:
     """Move `view` piece by piece with `move`, digesting each piece while it is in cache: before it goes
     (`sending`), else after it landed. Returns the digests, joined, and the number of blocks."""
-    start = _starter(kind)
+    start = starter(kind)
     digests: List[bytes] = []
     h, block = None, -1
     for b, off, n in _pieces(view.nbytes):
         if b != block:
             if h is not None:
-                digests.append(_encode(h.digest()))
+                digests.append(encode(h.digest()))
             h, block = start(b), b
         piece = view[off:off + n]
         if sending:
@@ -68,20 +71,36 @@ def _move(view: memoryview, kind: str, move: Callable[[memoryview], Any], sendin
         if not sending:
             h.update(piece)
     if h is not None:
-        digests.append(_encode(h.digest()))
+        digests.append(encode(h.digest()))
     return b"".join(digests), len(digests)
+
+
+def digest(view: memoryview, kind: str) -> Tuple[bytes, int]:
+    """The digests of every block of `view`, joined, and the number of blocks (nothing moved)."""
+    return _move(view, kind, lambda piece: None, sending=True)
+
+
+def send_blob(sock: socket.socket, blob: bytes) -> None:
+    """The digests after the payload: their length, then them."""
+    sock.sendall(_LEN.pack(len(blob)) + blob)
 
 
 def send(sock: socket.socket, payload: memoryview, kind: str) -> None:
     """Send `payload`, each piece digested right before it goes, then the digests."""
     blob, _ = _move(payload, kind, sock.sendall, sending=True)
-    sock.sendall(_LEN.pack(len(blob)) + blob)
+    send_blob(sock, blob)
 
 
 def receive(sock: socket.socket, view: memoryview, kind: str) -> Optional[str]:
     """Fill `view` from `sock`, each piece digested right after it landed, and compare the sender's digests
     that follow; None if they match, else what differs."""
     mine, blocks = _move(view, kind, lambda piece: recv_exactly_into(sock, piece), sending=False)
+    return compare(sock, mine, blocks, kind)
+
+
+def compare(sock: socket.socket, mine: bytes, blocks: int, kind: str) -> Optional[str]:
+    """Read the sender's digests from `sock` and compare them with `mine` (`blocks` of them); None if they
+    match, else what differs."""
     head = bytearray(_LEN.size)
     recv_exactly_into(sock, memoryview(head))
     (length,) = _LEN.unpack(head)

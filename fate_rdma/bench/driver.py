@@ -131,11 +131,16 @@ class RawTcp:
                 s_off = off % (payload.nbytes - n + 1)
                 self.sock.sendall(payload[s_off : s_off + n])
                 off += n
+        return self.finish(t0, "raw TCP peer failed")
+
+    def finish(self, t0: float, failed: str) -> float:
+        """Seconds since `t0` until the peer's acknowledgement on this connection; its command's answer
+        checked (a failure raised as `failed`: the peer's error)."""
         ack = self.sock.recv(1)
         dt = time.perf_counter() - t0
         reply = self.peer.conn.recv(60)
         if ack != b"k" or not reply.get("ok"):
-            raise RuntimeError(f"raw TCP peer failed: {reply.get('error') or 'no acknowledgement'}")
+            raise RuntimeError(f"{failed}: {reply.get('error') or 'no acknowledgement'}")
         return dt
 
     def close(self) -> None:

@@ -24,11 +24,14 @@ process over the measured transfer, per GB moved (medians): what the method cost
 which wall time on a shared machine hides (a method that busy-polls spends CPU while it waits).
 `raw_tcp_checked`: raw TCP once more with the channel's check (`--checksum`: crc32c or xxh3) done as cheaply
 as Python can, each piece digested on both sides by the thread that moves it (checked_tcp.py): what the
-check costs on this machine, a baseline for a channel row that pays for it too. The raw TCP, gRPC and
-Mooncake rows run once, under the first loopback scenario asked for. With raw_tcp
+check costs on this machine, a baseline for a channel row that pays for it too. `shm_copy`,
+`shm_copy_checked`: the same host's cheapest move, one copy out of the sender's shared memory (memfd) by the
+receiver's copy threads, without and with that check (checked_shm.py): what bounds the same-host path here.
+The raw TCP, gRPC, Mooncake and copy rows run once, under the first loopback scenario asked for. With raw_tcp
 among the methods, every fedrdma/fedrdma-e transfer on loopback is paired with a raw TCP transfer of the
 same payload, run right before it in odd repetitions and right after it in even ones (each method's
-transfer follows the other's equally often; not with `--unpaired`), and its row's `x_raw_tcp` is the
+transfer follows the other's equally often; so are the checked and copy baselines' transfers; not with
+`--unpaired`), and its row's `x_raw_tcp` is the
 median of those pairs' throughput ratios: the verdicts print it beside the ratio against the raw TCP
 row, since a shared machine's speed drifts between one row and the next. On loopback the channel's
 warm-up sends the whole payload, as raw TCP's does, so neither's measured transfers fault in receive
@@ -59,7 +62,7 @@ from ..channel.checksum import block_digest
 from ..channel.transfer import Fill
 from ..config import ChannelConfig
 from ..protocol.integrity import BLOCK_BYTES
-from . import mooncake
+from . import checked_shm, mooncake
 from .baselines import PAYLOAD_SEED, pair as pair_raw, paired, run_baselines
 from .cpu import ceiling as cpu_ceiling, cpu_s, per_gb, usable_cores
 from .driver import PeerProcess
@@ -72,7 +75,7 @@ SCENARIOS = {"loopback": None, "loopback-tcp": None, "link-10g-20ms": "rate=10gb
              "link-1g-20ms": "rate=1gbit,rtt=20ms"}
 RATES = {"link-10g-20ms": 10e9, "link-1g-20ms": 1e9}
 PUT_LABELS = {"copy": "copy, then send", "overlap": "copy overlapped"}
-METHODS = ["raw_tcp", "raw_tcp_checked", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch", "fedrdma", "fedrdma-e"]
+METHODS = ["raw_tcp", "raw_tcp_checked", "shm_copy", "shm_copy_checked", "grpc_stream", "grpc_unary", "mooncake", "mooncake_batch", "fedrdma", "fedrdma-e"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "allocation, as a model's tensors; a same-host peer reads it with process_vm_readv)")
     p.add_argument("--unpaired", action="store_true",
                    help="do not pair: by default (with raw_tcp among the methods) every loopback fedrdma/fedrdma-e "
-                        "transfer is paired with a raw TCP transfer of the same payload run right before or (every "
+                        "transfer, and every raw_tcp_checked, shm_copy and shm_copy_checked one, is paired with a raw TCP transfer of the same payload run right before or (every "
                         "other repetition) right after it, and its row's x_raw_tcp is the median of those pairs' "
                         "throughput ratios, which the verdicts print")
     p.add_argument("--tls", action="store_true",
@@ -223,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             link = SCENARIOS[scen]
             if link is None and not baselines_done:  # once: the same TCP over loopback serves both loopback scenarios
                 baselines_done = True
-                raw = run_baselines(peer, scen, methods, data, reps, add, args.checksum)
+                raw = run_baselines(peer, scen, methods, data, reps, add, args.checksum, pairs=not args.unpaired)
                 if raw is not None:
                     closing.callback(raw.close)
             elif link is not None:
@@ -266,6 +269,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _beyond(where: str, r: Dict[str, Any], base: Dict[str, Any], raw: Optional[Dict[str, Any]], target: float) -> None:
+    """Say so where the baseline that pays for the same check as row `r`, with nothing else to do, itself stays
+    under the path's target against raw TCP: that target is then out of any sender's reach on this machine."""
+    x = base.get("x_raw_tcp") or (raw["seconds"] / base["seconds"] if raw else None)
+    if x is not None and x < target:
+        print(f"{where}, checksum {r.get('checksum')}{tag(r)}: the target (>= {target:g} x raw TCP) is beyond this machine "
+              f"with this check: {base['method']}, which moves the bytes and checks them and does nothing else, "
+              f"reaches {x:.2f} x")
+
+
 def _bench_tls(folder: str) -> Dict[str, Any]:
     """ChannelConfig keys for tls: true, from a throwaway CA: one certificate naming both ends."""
     from ..cli.tls import make_certificates
@@ -305,6 +318,12 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
                     f"{ratio:.2f} against the raw TCP row)")
         return f"{ratio:.2f} (against the raw TCP row)"
 
+    def base_x(b: Dict[str, Any], raw: Dict[str, Any]) -> str:
+        """A baseline row's throughput against raw TCP: its pairs' median where it has them."""
+        if b.get("x_raw_tcp") is not None:
+            return f"it reaches {b['x_raw_tcp']:.2f} x raw TCP's throughput (median of {reps} pairs)"
+        return f"it reaches {raw['seconds'] / b['seconds']:.2f} x raw TCP's throughput (against the raw TCP row)"
+
     print()
     raw, gs = get(None, "raw_tcp"), get(None, "grpc_stream")
     e, t = get("loopback", "fedrdma-e", True), get("loopback-tcp", "fedrdma-e", True)
@@ -329,10 +348,21 @@ def _verdicts(rows: List[Dict[str, Any]], nbytes: int, reps: int) -> None:
     checked = get(None, "raw_tcp_checked")
     for r in (e, t):  # against raw TCP paying for the same check (checked_tcp.py), each path on its own line
         if r and checked and checked.get("checksum") == r.get("checksum"):
-            vs_raw = f"; it reaches {raw['seconds'] / checked['seconds']:.2f} x raw TCP's throughput" if raw else ""
+            vs_raw = f"; {base_x(checked, raw)}" if raw else ""
             print(f"{r['scenario']}, data path {r.get('path')}{tag(r)}: fedrdma-e / raw TCP with the same "
                   f"{r.get('checksum')} check on both sides = {checked['seconds'] / r['seconds']:.2f} (against that row, "
                   f"{checked['seconds']:.3f} s{vs_raw})")
+    if t and checked and checked.get("checksum") == t.get("checksum") and str(t.get("path")) == "tcp":
+        _beyond("over loopback TCP", t, checked, raw, 0.95)
+    if e and str(e.get("path")).startswith("same-host"):  # against the plain copy paying for the same check, if any
+        base = next((b for b in (get(None, m) for m in checked_shm.METHODS) if b and b["checksum"] == e.get("checksum")), None)
+        if base:
+            vs_raw = f", {base_x(base, raw)}" if raw else ""
+            print(f"same host, data path {e.get('path')}{tag(e)}: fedrdma-e / one plain copy out of shared memory "
+                  f"({base['method']}, checksum {base['checksum']}) = {base['seconds'] / e['seconds']:.2f} (that copy "
+                  f"{base['seconds']:.3f} s{vs_raw})")
+            if base["checksum"] != "none":
+                _beyond("same host", e, base, raw, 2.0)
     for r in rows:  # a buffered put's copy overlapped against copy-then-send, in the same scenario and window
         if r["method"].startswith("fedrdma-e put: copy overlapped") and r.get("seconds"):
             serial = next((x for x in rows if x["scenario"] == r["scenario"] and x.get("tls") == r.get("tls")

@@ -1,6 +1,7 @@
 """The receiving process of `fate-rdma bench transfer`, driven over a bootstrap socket.
 
-Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "grpc"} starts a gRPC
+Commands: {"cmd": "raw_connect"/"raw"} as in fate_rdma.bench.peer; {"cmd": "shm", "pid", "region", "addr",
+"total_bytes", "check"}: copy out of the sender's shared memory (checked_shm.py); {"cmd": "grpc"} starts a gRPC
 server (client-stream and unary methods over raw bytes); {"cmd": "endpoint", "config": {...}} opens
 a fate-rdma Endpoint (optional "name", "allowed_peers", "party_names"); {"cmd": "stats"} reports its memory, threads and
 refusals; {"cmd": "send", "address", "hex"} sends from it; {"cmd": "send_shared", "address", "nbytes", "wait"}
@@ -33,6 +34,7 @@ from ..channel import Endpoint
 from ..config import ChannelConfig
 from .cpu import cpu_s
 from .memory import peak_rss_bytes, reset_peak, rss_bytes
+from .checked_shm import Receiver as ShmReceiver
 from .peer import _RawReceiver
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
@@ -98,6 +100,7 @@ def hold_gil(seconds: float, after_s: float = 0.0) -> None:
 def serve(host: str, port: int) -> int:
     conn = ev.connect(host, port, timeout_s=30)
     raw = _RawReceiver()
+    shm_rx = ShmReceiver()
     counter = _Counter()
     ep: Optional[Endpoint] = None
     record = False
@@ -125,6 +128,8 @@ def serve(host: str, port: int) -> int:
                 conn.send(raw.connect(host, int(cmd["port"])))
             elif op == "raw":
                 conn.send(raw.receive(cmd))
+            elif op == "shm":
+                conn.send(shm_rx.receive(cmd, raw.sock))  # type: ignore[arg-type]
             elif op == "grpc":
                 server, gport = _grpc_server(counter)
                 conn.send({"ok": True, "port": gport})
@@ -189,6 +194,7 @@ def serve(host: str, port: int) -> int:
                 conn.send({"ok": False, "error": f"unknown command {op!r}"})
     finally:
         raw.close()
+        shm_rx.close()
         if server is not None:
             server.stop(0)
         if ep is not None:
