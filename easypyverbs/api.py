@@ -326,9 +326,21 @@ class QP(Resource):
         _check_imm(imm)
         self._post("send", lst, None, 0, imm, wr_id, signaled)
 
-    def post_write(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True) -> None:
-        """RDMA WRITE of the SGEs to `remote` at `remote_offset`; no completion at the peer."""
-        self._post_rdma("write", sges, remote, remote_offset, None, wr_id, signaled)
+    def post_write(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True,
+                   on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
+        """RDMA WRITE of the SGEs to `remote` at `remote_offset`; no completion at the peer.
+
+        `on_leave(offset, piece)`: on a QP that moves the bytes itself (`calls_on_leave`: the soft provider over
+        TCP), called with each piece of the WRITE's bytes, in order (`offset` from its first byte), by the
+        thread that sends them, just before the piece goes, so that the caller can read them (a digest) while
+        they are in cache; elsewhere (a NIC's DMA, the soft provider's same-host path) never called. It must
+        not raise (an exception is logged and the hook is not called again for that WRITE) nor block."""
+        self._post_rdma("write", sges, remote, remote_offset, None, wr_id, signaled, on_leave)
+
+    @property
+    def calls_on_leave(self) -> bool:
+        """Does this QP call a WRITE's `on_leave` (post_write)? Fixed once the QP is connected."""
+        return False
 
     def post_write_with_imm(
         self, sges: SGEs, remote: RemoteMR, imm: int, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True
@@ -340,7 +352,8 @@ class QP(Resource):
         """RDMA READ from `remote` at `remote_offset` into the local SGEs."""
         self._post_rdma("read", sges, remote, remote_offset, None, wr_id, signaled)
 
-    def _post_rdma(self, op: str, sges: SGEs, remote: RemoteMR, remote_offset: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
+    def _post_rdma(self, op: str, sges: SGEs, remote: RemoteMR, remote_offset: int, imm: Optional[int], wr_id: int, signaled: bool,
+                   on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
         self._ready()
         lst = self._sges(sges, self.cap.max_send_sge)
         total = sum(s.length for s in lst)
@@ -353,7 +366,10 @@ class QP(Resource):
         if not 0 <= remote.rkey < 1 << 32 or not 0 <= remote.addr <= (1 << 64) - remote.length:
             raise UsageError(f"remote MR rkey {remote.rkey:#x} / address {remote.addr:#x} + {remote.length} bytes "
                              f"outside 32 / 64 bits")
-        self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled)
+        if on_leave is not None and self.calls_on_leave:
+            self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled, on_leave=on_leave)  # type: ignore[call-arg]
+        else:
+            self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator["QP"]:

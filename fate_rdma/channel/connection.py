@@ -33,6 +33,7 @@ from ..protocol.policy import (Mode, choose_mode, first_chunk_bytes, path_rate_b
                                slot_chunk_bytes, window_for)
 from .completions import RECV_TAG, on_wc
 from .checksum import block_hasher, integrities, payload_checksum_async
+from .leaving import LeavingDigest
 from .control import ControlSender, RttProbe
 from .fedrdma import StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
@@ -154,7 +155,12 @@ class Connection(Turns):
         fut.set_running_or_notify_cancel()
         out = Outgoing(fut, payload, meta, self.send_integrity)
         if out.checksums and self.cfg.mode == "fedrdma-e":
-            out.crc_future = payload_checksum_async(payload.views(), self.send_integrity, fill)
+            chunk = self.slot_chunk()
+            if LeavingDigest.wanted(payload.total, self.send_integrity, fill, chunk, [rc.qp for rc in self.rcs]):
+                out.leaving = LeavingDigest(payload.views(), self.send_integrity, held_bytes=chunk)
+                out.crc_future = out.leaving.future
+            else:
+                out.crc_future = payload_checksum_async(payload.views(), self.send_integrity, fill)
             if not out.crc_future.done():  # (a small payload's is taken at once: the SEND request wakes the engine)
                 out.crc_future.add_done_callback(lambda _f: self.cq.wake())
         if fill is not None:
@@ -318,7 +324,7 @@ class Connection(Turns):
 
         o.note_posted()
         post_chunk(qp, o.payload.sges(c.offset, c.length), c.offset, in_place, remote, roff,
-                   signal if signal_last else None)
+                   signal if signal_last else None, o.leaving.at if o.leaving is not None else None)
 
     def post_header(self, qp: ev.QP, o: Outgoing, hdr: P.Header, seq: int, remote: ev.RemoteMR, roff: int,
                     imm: int) -> None:

@@ -104,6 +104,8 @@ class SlotSender:
         if o.checksums and o.crc_future is None:  # fell back to this mode late: start the checksum now
             o.crc_future = payload_checksum_async(o.payload.views(), o.integrity, o.payload.fill)
             o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
+        if o.leaving is not None and not o.crc_future.done() and m.others_done():
+            o.leaving.settle()  # (every byte that leaves before the header has: digest what it did not cover)
         m.hold_header = o.checksums and not o.crc_future.done()
         m.ready_from = o.payload.ready_from()
         chunks = m.next_chunks()

@@ -4,7 +4,7 @@ WRs (at integrity block boundaries where the receiver digests WRITEs as they lan
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import easypyverbs as ev
 
@@ -54,19 +54,24 @@ def send_sge_limit(ctx: ev.Context, pd: ev.PD, cq: ev.CQ, name: str) -> int:
 
 
 def post_chunk(qp: ev.QP, sges: List[ev.SGE], offset: int, in_place: bool, remote: ev.RemoteMR, roff: int,
-               signal: Optional[Callable[[], int]]) -> None:
+               signal: Optional[Callable[[], int]], leave_at: Optional[Callable[[int], Any]] = None) -> None:
     """WRITE `sges` (a chunk at payload offset `offset`) to `remote` at `roff`, in WRs of at most the QP's
     max_send_sge SGEs (group_sges); `in_place` (into a FedRDMA-E slot, the payload's final place) on a provider
     that digests WRITEs as they land: cut at integrity blocks (elsewhere cuts would only add WRs). With
-    `signal`, the last WR is signaled with the wr_id it returns (called only if a WR is posted)."""
+    `signal`, the last WR is signaled with the wr_id it returns (called only if a WR is posted). `leave_at(pos)`:
+    the on_leave hook (QP.post_write) for a WR whose first byte is payload byte `pos` (leaving.py)."""
     cut_at = BLOCK_BYTES if in_place and qp.ctx.tracks_writes else 0
     groups = group_sges(sges, qp.cap.max_send_sge, offset, cut_at)
+    pos = offset
     for i, g in enumerate(groups):
         if not g:
             continue
         last = signal is not None and i == len(groups) - 1
-        qp.post_write(g, remote, remote_offset=roff, wr_id=signal() if last else 0, signaled=last)  # type: ignore[misc]
-        roff += sum(s.length for s in g)
+        qp.post_write(g, remote, remote_offset=roff, wr_id=signal() if last else 0, signaled=last,  # type: ignore[misc]
+                      on_leave=leave_at(pos) if leave_at is not None else None)
+        n = sum(s.length for s in g)
+        roff += n
+        pos += n
 
 
 def group_sges(sges: List[ev.SGE], max_sge: int, offset: int = 0, block_bytes: int = 0) -> List[List[ev.SGE]]:

@@ -113,6 +113,10 @@ class FedRdmaESender(SenderBase):
             out.append(self.chunks[seq])
         return out
 
+    def others_done(self) -> bool:
+        """Has every chunk but chunk 0 (which goes with the header) completed?"""
+        return len(self._done) >= len(self.chunks) - 1
+
     def placed_from(self) -> Optional[int]:
         """The lowest payload offset from which every byte to the payload's end is placed (the WRITEs of
         chunks 1 .. n-1 from there on have completed: chunks go back to front), or None while the last

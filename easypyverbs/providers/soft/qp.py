@@ -191,6 +191,12 @@ class SoftQP(Requester, Responder, QP):
             return "same-host (memfd map / process_vm_readv)" + (", headers over tls" if tls else "")
         return "tcp+tls" if tls else "tcp"
 
+    @property
+    def calls_on_leave(self) -> bool:
+        """A WRITE's bytes leave through this QP's own send thread (over TCP, with TLS or not), which hands each
+        piece to the WRITE's `on_leave` first; on the same-host path the peer's NIC reads them: never called."""
+        return not self._pull
+
     def attach_responder(self, sock: Any, src_qpn: int, psn: int, fwd_delay_s: float,
                          pull_pid: int = 0, push: bool = False, defer_ack: bool = False) -> bool:
         """Called by the NIC when the peer's requester dials this QP (`pull_pid`: same-host path; `push`: it

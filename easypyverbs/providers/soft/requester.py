@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from ...api import OPCODE_OF, SGE
 from ...buffers import address_of
@@ -21,6 +21,7 @@ from ...enums import QPState, WCStatus
 from ...errors import EasyVerbsError, UsageError
 from ...types import WC
 from . import samehost, shm, wire
+from .leave import Leaving, send_out
 from .responder import PSN_MASK, _OPS
 
 log = logging.getLogger("easypyverbs.soft")
@@ -54,21 +55,22 @@ NO_PUSH_RKEYS = 4096
 
 
 class _WR:
-    __slots__ = ("wr_id", "op", "sges", "raddr", "rkey", "imm", "signaled", "psn", "length", "no_ack")
+    __slots__ = ("wr_id", "op", "sges", "raddr", "rkey", "imm", "signaled", "psn", "length", "no_ack", "on_leave")
 
-    def __init__(self, wr_id: int, op: str, sges: List[SGE], raddr: int, rkey: int, imm: Optional[int], signaled: bool) -> None:
+    def __init__(self, wr_id: int, op: str, sges: List[SGE], raddr: int, rkey: int, imm: Optional[int], signaled: bool,
+                 on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
         self.wr_id, self.op, self.sges, self.raddr, self.rkey = wr_id, op, sges, raddr, rkey
-        self.imm, self.signaled, self.psn, self.no_ack = imm, signaled, 0, False
+        self.imm, self.signaled, self.psn, self.no_ack, self.on_leave = imm, signaled, 0, False, on_leave
         self.length = sum(s.length for s in sges)
-
 
 
 class Requester:
     """The requester half of SoftQP."""
 
     # -- posting --------------------------------------------------------------------------------
-    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
-        wr = _WR(wr_id, op, sges, raddr or 0, rkey, imm, signaled)
+    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool,
+              on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
+        wr = _WR(wr_id, op, sges, raddr or 0, rkey, imm, signaled, on_leave)
         with self._cv:
             if self._outstanding >= self.cap.max_send_wr:
                 raise EasyVerbsError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)", 12)  # ENOMEM
@@ -92,7 +94,7 @@ class Requester:
         trip on this 2-core machine. A stream of WRs still goes through the send thread, which batches them
         into few writes. Never under a link model (each WR is paced) or TLS (a TLSStream takes no partial
         write)."""
-        return (len(wrs) <= DOORBELL_BATCH_WRS and all(w.length <= INLINE_SEND_BYTES for w in wrs)
+        return (len(wrs) <= DOORBELL_BATCH_WRS and all(w.length <= INLINE_SEND_BYTES and w.on_leave is None for w in wrs)
                 and len(self._inflight) < DOORBELL_INFLIGHT and not self._send_q and not self._tx_busy
                 and self._st == QPState.RTS and not self._closing and isinstance(self._req_sock, socket.socket)
                 and not self.ctx.link)  # type: ignore[attr-defined]
@@ -188,7 +190,10 @@ class Requester:
             free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
             bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr,
                                                  wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))
-            bufs.extend(views)
+            if wr.on_leave is not None and not self._pull:
+                bufs.append(Leaving(views, wr.on_leave, wr.wr_id))  # type: ignore[arg-type]
+            else:
+                bufs.extend(views)
         return bufs, None, free_at
 
     def _send_loop(self) -> None:
@@ -229,7 +234,7 @@ class Requester:
                         self._push_psn, self._push_at = pushing.psn, None
             bufs, broken, free_at = self._frame(batch) if tail is None else (tail, None, time.monotonic())
             try:
-                wire.send_buffers(sock, bufs)
+                send_out(sock, bufs)
             except OSError as exc:
                 self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
                 return

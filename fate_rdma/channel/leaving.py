@@ -1,0 +1,134 @@
+"""A FedRDMA-E payload's digest taken as its bytes leave, on a QP that sends them itself (QP.calls_on_leave: the
+soft provider over TCP), instead of in a separate pass over the payload on the digest pool.
+
+The pool's pass reads the payload from memory apart from the kernel's copy of it into the socket, on another
+thread: on the 2-core test machine that cost the sender about 0.1 CPU-s per GB and ~11 points of fedrdma-e's
+ratio to raw TCP with XXH3 (docs/FIGURES.md, 2026-11-30). Here the soft provider's send thread hands each
+piece of a WRITE to `leave` just before it goes, and the piece is digested while it is in cache, as the
+receiver digests each piece where it lands.
+
+What never leaves before the digest does not go this way: the header carries the digest and leaves with
+chunk 0 (the payload's front, FedRDMA-E's last chunk), which the sender holds until the digest is known, so
+the blocks of the first `held_bytes` are digested on the pool from the start, beside the other chunks. Any
+other block not seen whole and in order as it left (a WRITE that began inside it, a hook that failed, a chunk
+longer than expected) is digested on the pool by `settle`, which the sender calls once every chunk but chunk 0
+has completed: no block is left undigested, and the digest is the one payload_digest gives.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Dict, List, Sequence
+
+from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks
+from .checksum import INLINE_DIGEST_BYTES, _block_digest_fn, _from_blocks, _pool, block_hasher
+
+log = logging.getLogger("fate_rdma.channel")
+
+
+class LeavingDigest:
+    """The digest of one outgoing payload, block by block, as its WRITEs leave (`leave`) or on the pool."""
+
+    def __init__(self, views: Sequence[memoryview], integrity: Integrity, held_bytes: int) -> None:
+        start = block_hasher(integrity)
+        if start is None:
+            raise ValueError(f"checksum {integrity.kind!r} has no block-wise digests")
+        self._start = start
+        self.kind = integrity.kind
+        self._views = list(views)
+        self.total = sum(v.nbytes for v in self._views)
+        self._n = -(-self.total // BLOCK_BYTES)
+        self._digests: Dict[int, Any] = {}
+        self._hashing: Dict[int, List[Any]] = {}  # block -> [hasher, bytes fed]: one sending thread's each
+        self._skipped: set = set()  # blocks not seen whole and in order: settle digests them
+        self._pooled: set = set()
+        self._lock = threading.Lock()
+        self._settled = False
+        #: the payload's digest (payload_digest's), once every block has one
+        self.future: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
+        self._pool_blocks(range(-(-min(held_bytes, self.total) // BLOCK_BYTES)))
+
+    @staticmethod
+    def wanted(total: int, integrity: Integrity, fill: Any, chunk_bytes: int, qps: Sequence[Any]) -> bool:
+        """Is this the way to digest a payload of `total` bytes sent in chunks of `chunk_bytes` over `qps`?
+        A block-wise check, no copy-in digesting it already (`fill`), more than one chunk, above the size
+        digested at once, and every QP sending the bytes itself."""
+        return (integrity.on and block_hasher(integrity) is not None and fill is None
+                and total > max(chunk_bytes, INLINE_DIGEST_BYTES) and all(q.calls_on_leave for q in qps))
+
+    def leave(self, off: int, piece: memoryview) -> None:
+        """QP.post_write's on_leave, in payload offsets: digest `piece` (at `off`) on its way out."""
+        try:
+            while piece.nbytes:
+                b = off // BLOCK_BYTES
+                lo, end = b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, self.total)
+                n = min(piece.nbytes, end - off)
+                h = self._hashing.get(b)
+                if h is None and b not in self._skipped and b not in self._digests and b not in self._pooled:
+                    if off == lo:
+                        h = self._hashing[b] = [self._start(b), 0]
+                    else:
+                        self._skipped.add(b)  # (its start left in another WRITE, or not through here)
+                elif h is not None and lo + h[1] != off:  # not in order: left to settle
+                    self._hashing.pop(b, None)
+                    self._skipped.add(b)
+                    h = None
+                if h is not None:
+                    h[0].update(piece[:n])
+                    h[1] += n
+                    if lo + h[1] == end:
+                        self._hashing.pop(b, None)
+                        self._done(b, h[0].digest())
+                off += n
+                piece = piece[n:]
+        except Exception:  # (the blocks it touched are digested by settle instead)
+            log.exception("digest of an outgoing piece at byte %d failed; its block is read again", off)
+            self._skipped.add(off // BLOCK_BYTES)
+
+    def settle(self) -> None:
+        """Every byte that was going to leave has (every chunk but chunk 0 completed): digest on the pool each
+        block that still has no digest and is not being digested there. Once; later calls do nothing."""
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+            todo = [b for b in range(self._n) if b not in self._digests and b not in self._pooled]
+        for b in todo:
+            self._hashing.pop(b, None)
+        self._pool_blocks(todo)
+
+    def _pool_blocks(self, which: Sequence[int]) -> None:
+        which = [b for b in which if b < self._n]
+        if not which:
+            return
+        blocks = _blocks(self._views)
+        fn = _block_digest_fn(self.kind)
+        with self._lock:
+            self._pooled.update(which)
+        for b in which:
+            f = _pool("block").submit(fn, b, blocks[b])
+            f.add_done_callback(lambda f, b=b: self._pooled_done(b, f))
+
+    def _pooled_done(self, b: int, f: "concurrent.futures.Future[Any]") -> None:
+        try:
+            d = f.result()
+        except BaseException as exc:  # (the transfer fails on it, as on the pool's whole-payload digest)
+            if not self.future.done():
+                self.future.set_exception(exc)
+            return
+        self._done(b, d)
+
+    def _done(self, b: int, digest: Any) -> None:
+        with self._lock:
+            if b in self._digests:
+                return  # (a block digested both ways: the same digest)
+            self._digests[b] = digest
+            complete = len(self._digests) == self._n
+        if complete and not self.future.done():
+            self.future.set_result(_from_blocks(self.kind, self._digests))
+
+    def at(self, base: int) -> Any:
+        """on_leave for a WRITE whose first byte is payload byte `base`."""
+        return lambda off, piece: self.leave(base + off, piece)
+

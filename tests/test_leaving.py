@@ -1,0 +1,154 @@
+"""Digests taken as the bytes leave: the soft provider hands each piece of a WRITE to its `on_leave` just before
+sending it (QP.post_write), and a FedRDMA-E sender over TCP builds its payload digest from those pieces
+(fate_rdma/channel/leaving.py) instead of a separate pass on the digest pool; whatever does not leave that
+way (chunk 0, which waits for the digest; a WRITE begun inside a block; a failed hook) is digested on the
+pool, so the digest is always payload_digest's."""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+import easypyverbs as ev
+from easypyverbs.providers.soft.landing import PIECE_BYTES
+from fate_rdma.channel import Endpoint
+from fate_rdma.channel import leaving as L
+from fate_rdma.channel.checksum import payload_digest
+from fate_rdma.protocol.integrity import BLOCK_BYTES, Integrity
+
+from .conftest import require_same_host
+from .test_channel import cfg_for
+from .verbs_pair import close_pair, make_pair
+
+MiB = 1 << 20
+
+
+def _write(sides, data: bytes, hook, sge_cut: int = 0) -> None:
+    a, b = sides
+    a.buf[:len(data)] = data
+    sges = ([a.mr.sge(0, sge_cut), a.mr.sge(sge_cut, len(data) - sge_cut)] if sge_cut else [a.mr.sge(0, len(data))])
+    a.qp.post_write(sges, b.mr.remote(), wr_id=7, on_leave=hook)
+    (wc,) = a.cq.wait(10, max_entries=1)
+    assert wc.ok and wc.wr_id == 7, wc
+
+
+@pytest.mark.parametrize("provider", ["soft-tcp", "soft-tls"])
+def test_each_piece_of_a_write_is_handed_to_on_leave_in_order_before_it_goes(provider):
+    sides = make_pair(provider, size=4 * MiB)
+    try:
+        assert sides[0].qp.calls_on_leave
+        data = np.random.default_rng(1).integers(0, 256, 3 * MiB + 333, dtype=np.uint8).tobytes()
+        seen = []
+        _write(sides, data, lambda off, piece: seen.append((off, bytes(piece))), sge_cut=PIECE_BYTES // 3)
+        assert [off for off, _ in seen] == [sum(len(p) for _, p in seen[:i]) for i in range(len(seen))]
+        assert b"".join(p for _, p in seen) == data == bytes(sides[1].buf[:len(data)])
+        assert max(len(p) for _, p in seen) <= PIECE_BYTES
+    finally:
+        close_pair(sides)
+
+
+def test_on_the_same_host_path_the_peer_reads_the_bytes_and_on_leave_is_never_called():
+    require_same_host()
+    sides = make_pair("soft", size=2 * MiB)
+    try:
+        assert not sides[0].qp.calls_on_leave
+        seen = []
+        _write(sides, bytes(range(256)) * 4096, lambda off, piece: seen.append(off))
+        assert seen == [] and bytes(sides[1].buf[:1 << 20]) == bytes(range(256)) * 4096
+    finally:
+        close_pair(sides)
+
+
+def test_a_hook_that_raises_is_logged_once_and_the_write_goes_on(caplog):
+    sides = make_pair("soft-tcp", size=2 * MiB)
+    calls = []
+
+    def bad(off, piece):
+        calls.append(off)
+        raise RuntimeError("hook broke")
+
+    try:
+        data = b"\x5a" * (2 * MiB)
+        with caplog.at_level(logging.ERROR, logger="easypyverbs.soft"):
+            _write(sides, data, bad)
+        assert calls == [0] and bytes(sides[1].buf) == data
+        assert [r.getMessage() for r in caplog.records] == ["on_leave of WR 7 failed at byte 0; not called again for it"]
+    finally:
+        close_pair(sides)
+
+
+def _views(n: int, cut: int):
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    return data, [memoryview(data[:cut]), memoryview(data[cut:])]
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "crc32c"])
+def test_the_digest_built_from_leaving_pieces_is_payload_digests_whatever_left_how(kind):
+    """Chunk 0's blocks on the pool; the rest as they leave, in WRITEs cut anywhere, one begun inside a block
+    and one out of order among them: those blocks are digested by settle. Always the same digest."""
+    integ = Integrity(kind)
+    n = 5 * BLOCK_BYTES + 777
+    data, views = _views(n, BLOCK_BYTES + 5)
+    want = payload_digest(integ, views)
+    flat = memoryview(data)
+    # in order, blocks whole: done without settle
+    d = L.LeavingDigest(views, integ, held_bytes=BLOCK_BYTES)
+    for off in range(BLOCK_BYTES, n, 300_000):
+        d.at(off)(0, flat[off:min(off + 300_000, n)])
+    assert d.future.result(10) == want
+    # block 2 starts inside a WRITE begun mid-block 1... and block 4's pieces arrive out of order
+    d = L.LeavingDigest(views, integ, held_bytes=BLOCK_BYTES)
+    d.leave(BLOCK_BYTES + 10, flat[BLOCK_BYTES + 10:3 * BLOCK_BYTES])  # block 1 begun inside: skipped; block 2 whole
+    d.leave(4 * BLOCK_BYTES + 100, flat[4 * BLOCK_BYTES + 100:n])
+    d.leave(3 * BLOCK_BYTES, flat[3 * BLOCK_BYTES:4 * BLOCK_BYTES + 100])
+    time.sleep(0.05)
+    assert not d.future.done()  # blocks 1 and 4 have no digest yet
+    d.settle()
+    d.settle()  # (once)
+    assert d.future.result(10) == want
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "crc32c"])
+def test_fedrdma_e_over_tcp_digests_its_chunks_as_they_leave_and_still_verifies(kind, monkeypatch):
+    """A payload of several chunks over the soft provider's TCP: its digest is built as the chunks leave, the
+    receiver verifies it; with every piece's digest failing the pool covers them and it still verifies."""
+    cfg = cfg_for("fedrdma-e", "soft-tcp", checksum=kind, chunk_bytes=2 * MiB, slot_bytes=16 * MiB,
+                  slot_initial_bytes=16 * MiB)
+    made, real_leave = [], L.LeavingDigest.leave
+    monkeypatch.setattr(L.LeavingDigest, "__init__", _counting(L.LeavingDigest.__init__, made))
+    a, b = Endpoint(cfg, "127.0.0.1"), Endpoint(cfg, "127.0.0.1")
+    try:
+        data, _ = _views(9 * MiB + 4321, 10)
+        for broken in (False, True):
+            if broken:
+                monkeypatch.setattr(L.LeavingDigest, "leave", lambda self, off, piece: self._skipped.add(off // BLOCK_BYTES))
+            fut = a.send(b.address, data)
+            msg = b.recv(timeout=30)
+            fut.result(30)
+            assert bytes(msg.view) == data.tobytes()
+            msg.release()
+        assert len(made) == 2  # both sends digested this way
+    finally:
+        monkeypatch.setattr(L.LeavingDigest, "leave", real_leave)
+        a.close()
+        b.close()
+
+
+def test_where_the_bytes_do_not_leave_through_the_sender_the_pool_digests_them():
+    """Same-host path, a fill (a buffered put digests as it copies), one chunk, a keyed check: not this way."""
+    qp_tcp, qp_host = type("Q", (), {"calls_on_leave": True})(), type("Q", (), {"calls_on_leave": False})()
+    x = Integrity("xxh3")
+    assert L.LeavingDigest.wanted(64 * MiB, x, None, 32 * MiB, [qp_tcp])
+    assert not L.LeavingDigest.wanted(64 * MiB, x, None, 32 * MiB, [qp_tcp, qp_host])
+    assert not L.LeavingDigest.wanted(64 * MiB, x, object(), 32 * MiB, [qp_tcp])
+    assert not L.LeavingDigest.wanted(32 * MiB, x, None, 32 * MiB, [qp_tcp])
+    assert not L.LeavingDigest.wanted(64 * MiB, Integrity("none"), None, 32 * MiB, [qp_tcp])
+
+
+def _counting(init, made):
+    def wrapped(self, *a, **kw):
+        made.append(1)
+        init(self, *a, **kw)
+    return wrapped
