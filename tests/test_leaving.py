@@ -16,6 +16,7 @@ from easypyverbs.providers.soft.landing import PIECE_BYTES
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel import leaving as L
 from fate_rdma.channel.checksum import payload_digest
+from fate_rdma.protocol.chunking import plan_chunks
 from fate_rdma.protocol.integrity import BLOCK_BYTES, Integrity
 
 from .conftest import require_same_host
@@ -84,43 +85,63 @@ def _views(n: int, cut: int):
     return data, [memoryview(data[:cut]), memoryview(data[cut:])]
 
 
+def _leave_chunk(d, flat, c, step=300_000):
+    """What the soft provider does for chunk `c`'s WRITE: its pieces, in order, to the chunk's hook."""
+    leave_at = d.hook_for(c)  # (posting.post_chunk: one WRITE here, from the chunk's first byte)
+    if leave_at is not None:
+        hook = leave_at(c.offset)
+        for off in range(c.offset, c.offset + c.length, step):
+            hook(off - c.offset, flat[off:min(off + step, c.offset + c.length)])
+
+
 @pytest.mark.parametrize("kind", ["xxh3", "crc32c"])
 def test_the_digest_built_from_leaving_pieces_is_payload_digests_whatever_left_how(kind):
-    """Chunk 0's blocks on the pool; the rest as they leave, in WRITEs cut anywhere, one begun inside a block
-    and one out of order among them: those blocks are digested by settle. Always the same digest."""
+    """Blocks wholly inside one chunk other than chunk 0 are digested as they leave (chunks back to front),
+    the rest on the pool from the start; a hooked block that left begun inside or out of order is digested
+    by settle. Always the same digest."""
     integ = Integrity(kind)
     n = 5 * BLOCK_BYTES + 777
     data, views = _views(n, BLOCK_BYTES + 5)
     want = payload_digest(integ, views)
     flat = memoryview(data)
-    # in order, blocks whole: done without settle
-    d = L.LeavingDigest(views, integ, held_bytes=BLOCK_BYTES)
-    for off in range(BLOCK_BYTES, n, 300_000):
-        d.at(off)(0, flat[off:min(off + 300_000, n)])
-    assert d.future.result(10) == want
-    # block 2 starts inside a WRITE begun mid-block 1... and block 4's pieces arrive out of order
-    d = L.LeavingDigest(views, integ, held_bytes=BLOCK_BYTES)
-    d.leave(BLOCK_BYTES + 10, flat[BLOCK_BYTES + 10:3 * BLOCK_BYTES])  # block 1 begun inside: skipped; block 2 whole
-    d.leave(4 * BLOCK_BYTES + 100, flat[4 * BLOCK_BYTES + 100:n])
-    d.leave(3 * BLOCK_BYTES, flat[3 * BLOCK_BYTES:4 * BLOCK_BYTES + 100])
+    for chunk, hooked in ((2 * BLOCK_BYTES, {2, 3, 4, 5}), (6 * MiB, {2, 3, 5})):  # (6 MiB: blocks 1, 4 shared)
+        chunks = plan_chunks(n, chunk, small_last=True)
+        d = L.LeavingDigest.make(views, integ, chunks)
+        assert d.hooked == hooked and d._pooled == set(range(6)) - hooked
+        for c in reversed(chunks[1:]):
+            _leave_chunk(d, flat, c)
+        assert d.future.result(10) == want and not d._skipped
+    d = L.LeavingDigest.make(views, integ, plan_chunks(n, 2 * BLOCK_BYTES, small_last=True))
+    d.leave(2 * BLOCK_BYTES + 10, flat[2 * BLOCK_BYTES + 10:4 * BLOCK_BYTES])  # block 2 begun inside; 3 whole
+    d.leave(5 * BLOCK_BYTES + 100, flat[5 * BLOCK_BYTES + 100:n])  # block 5's end before its start
+    d.leave(4 * BLOCK_BYTES, flat[4 * BLOCK_BYTES:5 * BLOCK_BYTES + 100])
     time.sleep(0.05)
-    assert not d.future.done()  # blocks 1 and 4 have no digest yet
+    assert not d.future.done() and d._skipped == {2, 5}
     d.settle()
     d.settle()  # (once)
-    assert d.future.result(10) == want
+    assert d.future.result(10) == want and d._pooled == {0, 1, 2, 5}
+    # chunks of less than a block: none would be digested as it leaves
+    assert L.LeavingDigest.make(views, integ, plan_chunks(n, MiB, small_last=True)) is None
 
 
-@pytest.mark.parametrize("kind", ["xxh3", "crc32c"])
-def test_fedrdma_e_over_tcp_digests_its_chunks_as_they_leave_and_still_verifies(kind, monkeypatch):
-    """A payload of several chunks over the soft provider's TCP: its digest is built as the chunks leave, the
-    receiver verifies it; with every piece's digest failing the pool covers them and it still verifies."""
-    cfg = cfg_for("fedrdma-e", "soft-tcp", checksum=kind, chunk_bytes=2 * MiB, slot_bytes=16 * MiB,
-                  slot_initial_bytes=16 * MiB)
-    made, real_leave = [], L.LeavingDigest.leave
-    monkeypatch.setattr(L.LeavingDigest, "__init__", _counting(L.LeavingDigest.__init__, made))
+@pytest.mark.parametrize("kind,chunk,qps", [("xxh3", 4 * MiB, 1), ("crc32c", 4 * MiB, 1), ("xxh3", 6 * MiB, 2)])
+def test_fedrdma_e_over_tcp_digests_its_chunks_as_they_leave_and_still_verifies(kind, chunk, qps, monkeypatch):
+    """A payload of several chunks over the soft provider's TCP: the blocks inside chunks 1.. are digested as
+    they leave and only the others on the pool, and the receiver verifies the digest; with every piece's
+    digest failing, the pool covers those blocks too (settle) and it still verifies."""
+    cfg = cfg_for("fedrdma-e", "soft-tcp", checksum=kind, chunk_bytes=chunk, slot_bytes=32 * MiB,
+                  slot_initial_bytes=32 * MiB, qps_per_peer=qps)
+    made, real_init = [], L.LeavingDigest.__init__
+
+    def init(self, *a, **kw):
+        made.append(self)
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(L.LeavingDigest, "__init__", init)
     a, b = Endpoint(cfg, "127.0.0.1"), Endpoint(cfg, "127.0.0.1")
     try:
-        data, _ = _views(9 * MiB + 4321, 10)
+        data, _ = _views(17 * MiB + 4321, 10)
+        blocks = set(range(5))
         for broken in (False, True):
             if broken:
                 monkeypatch.setattr(L.LeavingDigest, "leave", lambda self, off, piece: self._skipped.add(off // BLOCK_BYTES))
@@ -129,26 +150,21 @@ def test_fedrdma_e_over_tcp_digests_its_chunks_as_they_leave_and_still_verifies(
             fut.result(30)
             assert bytes(msg.view) == data.tobytes()
             msg.release()
-        assert len(made) == 2  # both sends digested this way
+            d = made[-1]
+            assert d.hooked and d.future.done()
+            assert d._pooled == (blocks if broken else blocks - d.hooked)  # (nothing hooked read twice)
+        assert len(made) == 2
     finally:
-        monkeypatch.setattr(L.LeavingDigest, "leave", real_leave)
         a.close()
         b.close()
 
 
 def test_where_the_bytes_do_not_leave_through_the_sender_the_pool_digests_them():
-    """Same-host path, a fill (a buffered put digests as it copies), one chunk, a keyed check: not this way."""
+    """Same-host path, a fill (a buffered put digests as it copies), a payload digested at once, no check."""
     qp_tcp, qp_host = type("Q", (), {"calls_on_leave": True})(), type("Q", (), {"calls_on_leave": False})()
     x = Integrity("xxh3")
-    assert L.LeavingDigest.wanted(64 * MiB, x, None, 32 * MiB, [qp_tcp])
-    assert not L.LeavingDigest.wanted(64 * MiB, x, None, 32 * MiB, [qp_tcp, qp_host])
-    assert not L.LeavingDigest.wanted(64 * MiB, x, object(), 32 * MiB, [qp_tcp])
-    assert not L.LeavingDigest.wanted(32 * MiB, x, None, 32 * MiB, [qp_tcp])
-    assert not L.LeavingDigest.wanted(64 * MiB, Integrity("none"), None, 32 * MiB, [qp_tcp])
-
-
-def _counting(init, made):
-    def wrapped(self, *a, **kw):
-        made.append(1)
-        init(self, *a, **kw)
-    return wrapped
+    assert L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp])
+    assert not L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp, qp_host])
+    assert not L.LeavingDigest.wanted(64 * MiB, x, object(), [qp_tcp])
+    assert not L.LeavingDigest.wanted(MiB, x, None, [qp_tcp])
+    assert not L.LeavingDigest.wanted(64 * MiB, Integrity("none"), None, [qp_tcp])

@@ -155,14 +155,12 @@ class Connection(Turns):
         fut.set_running_or_notify_cancel()
         out = Outgoing(fut, payload, meta, self.send_integrity)
         if out.checksums and self.cfg.mode == "fedrdma-e":
-            chunk = self.slot_chunk()
-            if LeavingDigest.wanted(payload.total, self.send_integrity, fill, chunk, [rc.qp for rc in self.rcs]):
-                out.leaving = LeavingDigest(payload.views(), self.send_integrity, held_bytes=chunk)
-                out.crc_future = out.leaving.future
-            else:
+            # digested as its chunks leave (leaving.py: made with its chunks, fedrdma_e.SlotSender.pump), else now
+            out.leave_ok = LeavingDigest.wanted(payload.total, self.send_integrity, fill, [rc.qp for rc in self.rcs])
+            if not out.leave_ok:
                 out.crc_future = payload_checksum_async(payload.views(), self.send_integrity, fill)
-            if not out.crc_future.done():  # (a small payload's is taken at once: the SEND request wakes the engine)
-                out.crc_future.add_done_callback(lambda _f: self.cq.wake())
+        if out.crc_future is not None and not out.crc_future.done():  # (a small payload's is taken at once: the SEND
+            out.crc_future.add_done_callback(lambda _f: self.cq.wake())                # request wakes the engine)
         if fill is not None:
             fill.on_change(self.cq.wake)
         self._request(Request.SEND, out)
@@ -324,7 +322,7 @@ class Connection(Turns):
 
         o.note_posted()
         post_chunk(qp, o.payload.sges(c.offset, c.length), c.offset, in_place, remote, roff,
-                   signal if signal_last else None, o.leaving.at if o.leaving is not None else None)
+                   signal if signal_last else None, o.leaving.hook_for(c) if o.leaving is not None else None)
 
     def post_header(self, qp: ev.QP, o: Outgoing, hdr: P.Header, seq: int, remote: ev.RemoteMR, roff: int,
                     imm: int) -> None:

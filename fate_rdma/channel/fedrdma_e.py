@@ -34,6 +34,7 @@ from ..protocol.frames import PLACED_TOTAL_MASK, CtrlKind, ErrorCode
 from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE
 from .buffers import clear
 from .checksum import block_checksums_async, payload_checksum_async, payload_digest, payload_digest_with
+from .leaving import LeavingDigest
 from .handshake import PoolOffer
 
 if TYPE_CHECKING:
@@ -101,8 +102,10 @@ class SlotSender:
 
     def pump(self, o: "Outgoing") -> None:
         m = o.machine
-        if o.checksums and o.crc_future is None:  # fell back to this mode late: start the checksum now
-            o.crc_future = payload_checksum_async(o.payload.views(), o.integrity, o.payload.fill)
+        if o.checksums and o.crc_future is None:  # digested as it leaves, if its chunks allow; or fell back to this mode late
+            o.leaving = LeavingDigest.make(o.payload.views(), o.integrity, m.chunks) if o.leave_ok else None
+            o.crc_future = (o.leaving.future if o.leaving is not None
+                            else payload_checksum_async(o.payload.views(), o.integrity, o.payload.fill))
             o.crc_future.add_done_callback(lambda _f: self.conn.cq.wake())
         if o.leaving is not None and not o.crc_future.done() and m.others_done():
             o.leaving.settle()  # (every byte that leaves before the header has: digest what it did not cover)

@@ -7,12 +7,14 @@ ratio to raw TCP with XXH3 (docs/FIGURES.md, 2026-11-30). Here the soft provider
 piece of a WRITE to `leave` just before it goes, and the piece is digested while it is in cache, as the
 receiver digests each piece where it lands.
 
-What never leaves before the digest does not go this way: the header carries the digest and leaves with
-chunk 0 (the payload's front, FedRDMA-E's last chunk), which the sender holds until the digest is known, so
-the blocks of the first `held_bytes` are digested on the pool from the start, beside the other chunks. Any
-other block not seen whole and in order as it left (a WRITE that began inside it, a hook that failed, a chunk
-longer than expected) is digested on the pool by `settle`, which the sender calls once every chunk but chunk 0
-has completed: no block is left undigested, and the digest is the one payload_digest gives.
+Only the blocks that lie wholly inside one chunk other than chunk 0 go this way (the transfer's chunks are
+known: the digest is made with its FedRDMA-E machine). The header carries the digest and leaves with chunk 0
+(the payload's front, FedRDMA-E's last chunk), which the sender holds until the digest is known, so chunk
+0's blocks, and every block that two chunks share (chunks go back to front: such a block is first reached in
+its middle), are digested on the pool from the start, beside the other chunks. Any hooked block not seen
+whole and in order as it left (a WRITE that began inside it, a hook that failed) is digested on the pool by
+`settle`, which the sender calls once every chunk but chunk 0 has completed: no block is left undigested, and
+the digest is the one payload_digest gives.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import threading
 from typing import Any, Dict, List, Sequence
 
+from ..protocol.chunking import Chunk
 from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks
 from .checksum import INLINE_DIGEST_BYTES, _block_digest_fn, _from_blocks, _pool, block_hasher
 
@@ -30,7 +33,7 @@ log = logging.getLogger("fate_rdma.channel")
 class LeavingDigest:
     """The digest of one outgoing payload, block by block, as its WRITEs leave (`leave`) or on the pool."""
 
-    def __init__(self, views: Sequence[memoryview], integrity: Integrity, held_bytes: int) -> None:
+    def __init__(self, views: Sequence[memoryview], integrity: Integrity, chunks: Sequence[Chunk]) -> None:
         start = block_hasher(integrity)
         if start is None:
             raise ValueError(f"checksum {integrity.kind!r} has no block-wise digests")
@@ -39,23 +42,39 @@ class LeavingDigest:
         self._views = list(views)
         self.total = sum(v.nbytes for v in self._views)
         self._n = -(-self.total // BLOCK_BYTES)
+        #: the blocks digested as they leave: wholly inside one chunk other than chunk 0
+        self.hooked = hooked_blocks(chunks, self.total)
+        self._chunks_hooked = {c.seq for c in chunks if any(c.offset <= b * BLOCK_BYTES < c.offset + c.length
+                                                                for b in self.hooked)}
         self._digests: Dict[int, Any] = {}
         self._hashing: Dict[int, List[Any]] = {}  # block -> [hasher, bytes fed]: one sending thread's each
-        self._skipped: set = set()  # blocks not seen whole and in order: settle digests them
+        self._skipped: set = set()  # hooked blocks not seen whole and in order: settle digests them
         self._pooled: set = set()
         self._lock = threading.Lock()
         self._settled = False
         #: the payload's digest (payload_digest's), once every block has one
         self.future: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
-        self._pool_blocks(range(-(-min(held_bytes, self.total) // BLOCK_BYTES)))
+        self._pool_blocks([b for b in range(self._n) if b not in self.hooked])
 
     @staticmethod
-    def wanted(total: int, integrity: Integrity, fill: Any, chunk_bytes: int, qps: Sequence[Any]) -> bool:
-        """Is this the way to digest a payload of `total` bytes sent in chunks of `chunk_bytes` over `qps`?
-        A block-wise check, no copy-in digesting it already (`fill`), more than one chunk, above the size
-        digested at once, and every QP sending the bytes itself."""
+    def wanted(total: int, integrity: Integrity, fill: Any, qps: Sequence[Any]) -> bool:
+        """May a payload of `total` bytes sent over `qps` be digested this way (if its chunks allow: `make`)? A
+        block-wise check, no copy-in digesting it already (`fill`), above the size digested at once, every QP
+        sending the bytes itself."""
         return (integrity.on and block_hasher(integrity) is not None and fill is None
-                and total > max(chunk_bytes, INLINE_DIGEST_BYTES) and all(q.calls_on_leave for q in qps))
+                and total > INLINE_DIGEST_BYTES and all(q.calls_on_leave for q in qps))
+
+    @classmethod
+    def make(cls, views: Sequence[memoryview], integrity: Integrity, chunks: Sequence[Chunk]) -> "LeavingDigest | None":
+        """One for a payload cut into `chunks`, or None where less than a whole block's bytes would be digested
+        as they leave (chunks smaller than a block: every block is shared, but perhaps a short last one)."""
+        total = sum(v.nbytes for v in views)
+        hooked = sum(min((b + 1) * BLOCK_BYTES, total) - b * BLOCK_BYTES for b in hooked_blocks(chunks, total))
+        return cls(views, integrity, chunks) if hooked >= min(BLOCK_BYTES, total) else None
+
+    def hook_for(self, c: Chunk) -> Any:
+        """`leave_at` for chunk `c`'s WRITEs (posting.post_chunk), or None where it holds no hooked block."""
+        return self.at if c.seq in self._chunks_hooked else None
 
     def leave(self, off: int, piece: memoryview) -> None:
         """QP.post_write's on_leave, in payload offsets: digest `piece` (at `off`) on its way out."""
@@ -65,7 +84,7 @@ class LeavingDigest:
                 lo, end = b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, self.total)
                 n = min(piece.nbytes, end - off)
                 h = self._hashing.get(b)
-                if h is None and b not in self._skipped and b not in self._digests and b not in self._pooled:
+                if h is None and b in self.hooked and b not in self._skipped and b not in self._digests:
                     if off == lo:
                         h = self._hashing[b] = [self._start(b), 0]
                     else:
@@ -114,21 +133,34 @@ class LeavingDigest:
         try:
             d = f.result()
         except BaseException as exc:  # (the transfer fails on it, as on the pool's whole-payload digest)
-            if not self.future.done():
-                self.future.set_exception(exc)
+            with self._lock:
+                if not self.future.done():
+                    self.future.set_exception(exc)
             return
         self._done(b, d)
 
     def _done(self, b: int, digest: Any) -> None:
-        with self._lock:
-            if b in self._digests:
+        with self._lock:  # (held while the future is set: a pool failure sets it too)
+            if b in self._digests or self.future.done():
                 return  # (a block digested both ways: the same digest)
             self._digests[b] = digest
-            complete = len(self._digests) == self._n
-        if complete and not self.future.done():
-            self.future.set_result(_from_blocks(self.kind, self._digests))
+            if len(self._digests) == self._n:
+                self.future.set_result(_from_blocks(self.kind, self._digests))
 
     def at(self, base: int) -> Any:
         """on_leave for a WRITE whose first byte is payload byte `base`."""
         return lambda off, piece: self.leave(base + off, piece)
 
+
+def hooked_blocks(chunks: Sequence[Chunk], total: int) -> set:
+    """The blocks that lie wholly inside one chunk other than chunk 0 (the last block may be short)."""
+    out = set()
+    for c in chunks:
+        if c.seq == 0 or not c.length:
+            continue
+        end = c.offset + c.length
+        b = -(-c.offset // BLOCK_BYTES)
+        while b * BLOCK_BYTES < end and min((b + 1) * BLOCK_BYTES, total) <= end:
+            out.add(b)
+            b += 1
+    return out

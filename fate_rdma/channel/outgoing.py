@@ -36,8 +36,9 @@ class Outgoing:
         self.checksums = integrity.on
         #: FedRDMA-E whole-payload checksum (crc32c, or BLAKE2b leaves), computed while the first chunks are on the wire
         self.crc_future: Any = None
-        #: where the digest is taken as the chunks leave (leaving.py): its on_leave hooks, settle
+        #: where the digest is taken as the chunks leave (leaving.py): its on_leave hooks, settle; `leave_ok`: it may be
         self.leaving: Any = None
+        self.leave_ok = False
         self.mode: Optional[Mode] = None
         self.machine: Any = None
         self.slot: Optional[int] = None
