@@ -24,6 +24,7 @@ from .test_channel import cfg_for
 from .verbs_pair import close_pair, make_pair
 
 MiB = 1 << 20
+KiB = 1 << 10
 
 
 def _write(sides, data: bytes, hook, sge_cut: int = 0) -> None:
@@ -160,11 +161,12 @@ def test_fedrdma_e_over_tcp_digests_its_chunks_as_they_leave_and_still_verifies(
 
 
 def test_where_the_bytes_do_not_leave_through_the_sender_the_pool_digests_them():
-    """Same-host path, a fill (a buffered put digests as it copies), a payload digested at once, no check."""
+    """Same-host path, a fill (a buffered put digests as it copies), a payload digested at once, no check, one chunk."""
     qp_tcp, qp_host = type("Q", (), {"calls_on_leave": True})(), type("Q", (), {"calls_on_leave": False})()
     x = Integrity("xxh3")
-    assert L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp])
-    assert not L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp, qp_host])
-    assert not L.LeavingDigest.wanted(64 * MiB, x, object(), [qp_tcp])
-    assert not L.LeavingDigest.wanted(MiB, x, None, [qp_tcp])
-    assert not L.LeavingDigest.wanted(64 * MiB, Integrity("none"), None, [qp_tcp])
+    assert L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp], 32 * MiB)
+    assert not L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp, qp_host], 32 * MiB)
+    assert not L.LeavingDigest.wanted(64 * MiB, x, object(), [qp_tcp], 32 * MiB)
+    assert not L.LeavingDigest.wanted(MiB, x, None, [qp_tcp], 32 * KiB)
+    assert not L.LeavingDigest.wanted(64 * MiB, Integrity("none"), None, [qp_tcp], 32 * MiB)
+    assert not L.LeavingDigest.wanted(32 * MiB, x, None, [qp_tcp], 32 * MiB)  # one chunk: nothing to hook

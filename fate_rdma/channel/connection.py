@@ -155,10 +155,9 @@ class Connection(Turns):
         fut.set_running_or_notify_cancel()
         out = Outgoing(fut, payload, meta, self.send_integrity)
         if out.checksums and self.cfg.mode == "fedrdma-e":
-            # digested as its chunks leave (leaving.py: made with its chunks, fedrdma_e.SlotSender.pump), else now,
-            # while it may still wait for a slot (a payload of one chunk at today's chunk size has nothing to hook)
-            out.leave_ok = (payload.total > self.slot_chunk()
-                            and LeavingDigest.wanted(payload.total, self.send_integrity, fill, [rc.qp for rc in self.rcs]))
+            # digested as its chunks leave (leaving.py: made with its chunks, fedrdma_e.SlotSender.pump), else now
+            out.leave_ok = LeavingDigest.wanted(payload.total, self.send_integrity, fill, [rc.qp for rc in self.rcs],
+                                                self.slot_chunk())
             if not out.leave_ok:
                 out.crc_future = payload_checksum_async(payload.views(), self.send_integrity, fill)
         if out.crc_future is not None and not out.crc_future.done():  # (a small payload's is taken at once: the SEND

@@ -33,7 +33,8 @@ log = logging.getLogger("fate_rdma.channel")
 class LeavingDigest:
     """The digest of one outgoing payload, block by block, as its WRITEs leave (`leave`) or on the pool."""
 
-    def __init__(self, views: Sequence[memoryview], integrity: Integrity, chunks: Sequence[Chunk]) -> None:
+    def __init__(self, views: Sequence[memoryview], integrity: Integrity, hooked: Dict[int, int]) -> None:
+        """`hooked`: the blocks to digest as they leave, each with its chunk's seq (hooked_blocks)."""
         start = block_hasher(integrity)
         if start is None:
             raise ValueError(f"checksum {integrity.kind!r} has no block-wise digests")
@@ -43,9 +44,8 @@ class LeavingDigest:
         self.total = sum(v.nbytes for v in self._views)
         self._n = -(-self.total // BLOCK_BYTES)
         #: the blocks digested as they leave: wholly inside one chunk other than chunk 0
-        self.hooked = hooked_blocks(chunks, self.total)
-        self._chunks_hooked = {c.seq for c in chunks if any(c.offset <= b * BLOCK_BYTES < c.offset + c.length
-                                                                for b in self.hooked)}
+        self.hooked = set(hooked)
+        self._chunks_hooked = set(hooked.values())
         self._digests: Dict[int, Any] = {}
         self._hashing: Dict[int, List[Any]] = {}  # block -> [hasher, bytes fed]: one sending thread's each
         self._skipped: set = set()  # hooked blocks not seen whole and in order: settle digests them
@@ -57,20 +57,22 @@ class LeavingDigest:
         self._pool_blocks([b for b in range(self._n) if b not in self.hooked])
 
     @staticmethod
-    def wanted(total: int, integrity: Integrity, fill: Any, qps: Sequence[Any]) -> bool:
+    def wanted(total: int, integrity: Integrity, fill: Any, qps: Sequence[Any], chunk_bytes: int) -> bool:
         """May a payload of `total` bytes sent over `qps` be digested this way (if its chunks allow: `make`)? A
-        block-wise check, no copy-in digesting it already (`fill`), above the size digested at once, every QP
-        sending the bytes itself."""
+        block-wise check, no copy-in digesting it already (`fill`), above the size digested at once and more than
+        one chunk of `chunk_bytes` (the connection's now: one chunk has nothing to hook, and is better digested
+        at once, while it may still wait for a slot), every QP sending the bytes itself."""
         return (integrity.on and block_hasher(integrity) is not None and fill is None
-                and total > INLINE_DIGEST_BYTES and all(q.calls_on_leave for q in qps))
+                and total > max(INLINE_DIGEST_BYTES, chunk_bytes) and all(q.calls_on_leave for q in qps))
 
     @classmethod
     def make(cls, views: Sequence[memoryview], integrity: Integrity, chunks: Sequence[Chunk]) -> "LeavingDigest | None":
         """One for a payload cut into `chunks`, or None where less than a whole block's bytes would be digested
         as they leave (chunks smaller than a block: every block is shared, but perhaps a short last one)."""
         total = sum(v.nbytes for v in views)
-        hooked = sum(min((b + 1) * BLOCK_BYTES, total) - b * BLOCK_BYTES for b in hooked_blocks(chunks, total))
-        return cls(views, integrity, chunks) if hooked >= min(BLOCK_BYTES, total) else None
+        hooked = hooked_blocks(chunks, total)
+        nbytes = sum(min((b + 1) * BLOCK_BYTES, total) - b * BLOCK_BYTES for b in hooked)
+        return cls(views, integrity, hooked) if nbytes >= min(BLOCK_BYTES, total) else None
 
     def hook_for(self, c: Chunk) -> Any:
         """`leave_at` for chunk `c`'s WRITEs (posting.post_chunk), or None where it holds no hooked block."""
@@ -152,15 +154,16 @@ class LeavingDigest:
         return lambda off, piece: self.leave(base + off, piece)
 
 
-def hooked_blocks(chunks: Sequence[Chunk], total: int) -> set:
-    """The blocks that lie wholly inside one chunk other than chunk 0 (the last block may be short)."""
-    out = set()
+def hooked_blocks(chunks: Sequence[Chunk], total: int) -> Dict[int, int]:
+    """The blocks that lie wholly inside one chunk other than chunk 0 (the last block may be short), each with
+    that chunk's seq."""
+    out: Dict[int, int] = {}
     for c in chunks:
         if c.seq == 0 or not c.length:
             continue
         end = c.offset + c.length
         b = -(-c.offset // BLOCK_BYTES)
         while b * BLOCK_BYTES < end and min((b + 1) * BLOCK_BYTES, total) <= end:
-            out.add(b)
+            out[b] = c.seq
             b += 1
     return out

@@ -41,9 +41,6 @@ class Leaving:
 
 def send_out(sock: Any, bufs: List[Any]) -> None:
     """wire.send_buffers, but a WRITE with an on_leave hook (Leaving) goes piece by piece."""
-    if not any(isinstance(b, Leaving) for b in bufs):
-        wire.send_buffers(sock, bufs)
-        return
     head: List[memoryview] = []
     for b in bufs:
         if isinstance(b, Leaving):

@@ -190,7 +190,7 @@ class Requester:
             free_at = link.reserve(wire.REQ.size + sum(v.nbytes for v in views), now) if link else now
             bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr,
                                                  wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))
-            if wr.on_leave is not None and not self._pull:
+            if wr.on_leave is not None:  # (QP.post_write passes none on the same-host path)
                 bufs.append(Leaving(views, wr.on_leave, wr.wr_id))  # type: ignore[arg-type]
             else:
                 bufs.extend(views)
