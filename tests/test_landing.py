@@ -5,6 +5,7 @@ memory reads afterwards, and FedRDMA-E transfers verified from those digests (cr
 corrupted where they land still refused. In-process; "soft" is the same-host path, "soft-tcp" the wire."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import crc32c
@@ -62,17 +63,21 @@ def _crc_at(mem, origin: int, block: int, length: int) -> int:
 @pytest.fixture
 def small_pieces(monkeypatch):
     monkeypatch.setattr(L, "PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr(L, "TCP_PIECE_BYTES", 16 << 10)
 
 
 def test_pieces_cover_the_write_in_order_and_never_cross_a_block(small_pieces):
     _mem, wd = _tracked(origin=100)
-    for offset, length in ((0, 5 * B + 7), (100, 2 * B), (100 + B // 2, 3 * B), (50, 60), (100 + 3 * B, 1)):
-        pieces = wd.begin(offset, length).pieces()
+    L.TCP_PIECE_BYTES = 24 << 10  # (monkeypatched back) a socket's pieces are their own size
+    for (offset, length), over_tcp in itertools.product(
+            ((0, 5 * B + 7), (100, 2 * B), (100 + B // 2, 3 * B), (50, 60), (100 + 3 * B, 1)), (False, True)):
+        pieces = wd.begin(offset, length).pieces(over_tcp)
         assert [p[0] for p in pieces] == [sum(p[1] for p in pieces[:i]) for i in range(len(pieces))]
         assert sum(p[1] for p in pieces) == length
+        assert (max(p[1] for p in pieces) == 24 << 10) == (over_tcp and length >= 2 * B)
         for at, n, first in pieces:
             lo, hi = offset + at, offset + at + n
-            assert n <= L.PIECE_BYTES
+            assert n <= (L.TCP_PIECE_BYTES if over_tcp else L.PIECE_BYTES)
             if hi > 100:  # past the origin: within one block
                 assert lo >= 100 and (lo - 100) // B == (hi - 1 - 100) // B
             assert first == (lo >= 100 and (lo - 100) % B == 0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import easypyverbs as ev
-from easypyverbs.providers.soft.landing import PIECE_BYTES
+from easypyverbs.providers.soft.landing import TCP_PIECE_BYTES
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel import leaving as L
 from fate_rdma.channel.checksum import payload_digest
@@ -43,10 +43,10 @@ def test_each_piece_of_a_write_is_handed_to_on_leave_in_order_before_it_goes(pro
         assert sides[0].qp.calls_on_leave
         data = np.random.default_rng(1).integers(0, 256, 3 * MiB + 333, dtype=np.uint8).tobytes()
         seen = []
-        _write(sides, data, lambda off, piece: seen.append((off, bytes(piece))), sge_cut=PIECE_BYTES // 3)
+        _write(sides, data, lambda off, piece: seen.append((off, bytes(piece))), sge_cut=TCP_PIECE_BYTES // 3)
         assert [off for off, _ in seen] == [sum(len(p) for _, p in seen[:i]) for i in range(len(seen))]
         assert b"".join(p for _, p in seen) == data == bytes(sides[1].buf[:len(data)])
-        assert max(len(p) for _, p in seen) <= PIECE_BYTES
+        assert max(len(p) for _, p in seen) <= TCP_PIECE_BYTES
     finally:
         close_pair(sides)
 

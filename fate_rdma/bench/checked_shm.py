@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from easypyverbs.providers.soft import shm
+from easypyverbs.providers.soft.landing import PIECE_BYTES
 from easypyverbs.providers.soft.samehost import COPY_THREADS
 
 from . import checked_tcp
@@ -81,7 +82,7 @@ class Receiver:
             try:
                 for b in range(first, blocks, COPY_THREADS):
                     h = start(b) if start is not None else None
-                    for _, off, n in checked_tcp.pieces_of_block(b, total):
+                    for _, off, n in checked_tcp.pieces_of_block(b, total, PIECE_BYTES):
                         src.copy([(addr + off, n)], [(local + off, n)])
                         if h is not None:
                             h.update(view[off:off + n])

@@ -4,7 +4,7 @@
 segments), while the channel's default (`checksum: xxh3`) digests every byte on both sides. This row
 moves the same payload over the same kind of connection with the same check done as cheaply as Python
 can: the blocks of the channel's integrity (4 MiB, protocol/integrity.py), each digested piece by piece
-(the soft provider's PIECE_BYTES) by the thread that moves it, the sender right before a piece's
+(the soft provider's TCP_PIECE_BYTES) by the thread that moves it, the sender right before a piece's
 `sendall`, the receiver right after its `recv_into`, while the piece is still in that core's cache;
 then the sender's digests follow the payload and the receiver compares them with its own. No windows,
 no frames, no threads: what the check costs on this machine on top of the copies TCP does anyway, so
@@ -19,7 +19,7 @@ import socket
 import struct
 from typing import Any, Callable, List, Optional, Tuple
 
-from easypyverbs.providers.soft.landing import PIECE_BYTES
+from easypyverbs.providers.soft.landing import TCP_PIECE_BYTES
 from easypyverbs.providers.soft.wire import recv_exactly_into
 
 from ..channel.checksum import block_hasher
@@ -34,15 +34,15 @@ def encode(digest: Any) -> bytes:
     return digest if isinstance(digest, bytes) else int(digest).to_bytes(4, "big")
 
 
-def pieces_of_block(b: int, nbytes: int) -> List[Tuple[int, int, int]]:
+def pieces_of_block(b: int, nbytes: int, piece_bytes: int = TCP_PIECE_BYTES) -> List[Tuple[int, int, int]]:
     """(block, offset, length) of each piece of block `b` of a payload of `nbytes`, in order."""
     start = b * BLOCK_BYTES
     end = min(start + BLOCK_BYTES, nbytes)
-    return [(b, o, min(PIECE_BYTES, end - o)) for o in range(start, end, PIECE_BYTES)]
+    return [(b, o, min(piece_bytes, end - o)) for o in range(start, end, piece_bytes)]
 
 
 def _pieces(nbytes: int) -> List[Tuple[int, int, int]]:
-    """(block, offset, length) of each piece, in order: none crosses a block or exceeds PIECE_BYTES."""
+    """(block, offset, length) of each piece, in order: none crosses a block or exceeds TCP_PIECE_BYTES."""
     return [p for b in range(-(-nbytes // BLOCK_BYTES)) for p in pieces_of_block(b, nbytes)]
 
 

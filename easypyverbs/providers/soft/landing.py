@@ -19,8 +19,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("easypyverbs.soft")
 
-#: placed and digested at a time: within a core's L2 here (1 MiB per core on the 2-core test machine)
+#: placed and digested at a time on the same-host path, whose copies run on two threads at once: within a
+#: core's L2 here (1 MiB per core on the 2-core test machine)
 PIECE_BYTES = 512 << 10
+#: read from a socket and digested at a time (and sent at a time where the sender digests as bytes leave,
+#: leave.py): each piece costs each end a few dozen lines of Python and a system call, and the piece is
+#: still in cache when it is digested; 1 GiB over loopback TCP with xxh3, 2 cores, seven alternations:
+#: 0.82-0.97 x raw TCP (median 0.95) with 1 MiB, 0.80-0.93 x (median 0.84) with 512 KiB, 0.85-0.90 x with
+#: 2 MiB (docs/FIGURES.md, 2026-11-30)
+TCP_PIECE_BYTES = 1 << 20
 
 
 class WriteDigests:
@@ -92,9 +99,10 @@ class Landing:
         self.hashers: Dict[int, Any] = {}
         self.fed: Dict[int, int] = {}
 
-    def pieces(self) -> List[Tuple[int, int, bool]]:
+    def pieces(self, over_tcp: bool = False) -> List[Tuple[int, int, bool]]:
         """(offset in the WRITE, length, begins a block) of each piece, in order: no piece crosses a block
-        boundary or is longer than PIECE_BYTES."""
+        boundary or is longer than PIECE_BYTES (`over_tcp`: read from a socket, TCP_PIECE_BYTES)."""
+        piece_bytes = TCP_PIECE_BYTES if over_tcp else PIECE_BYTES
         d, out = self.digests, []
         pos, end = self.offset, self.offset + self.length
         while pos < end:
@@ -104,8 +112,8 @@ class Landing:
                 bound = d.origin + ((pos - d.origin) // d.block_bytes + 1) * d.block_bytes
             seg_end = min(bound, end)
             first = pos >= d.origin and (pos - d.origin) % d.block_bytes == 0
-            for p in range(pos, seg_end, PIECE_BYTES):
-                out.append((p - self.offset, min(PIECE_BYTES, seg_end - p), first and p == pos))
+            for p in range(pos, seg_end, piece_bytes):
+                out.append((p - self.offset, min(piece_bytes, seg_end - p), first and p == pos))
             pos = seg_end
         return out
 

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Callable, List
 
 from . import wire
-from .landing import PIECE_BYTES as LEAVE_PIECE_BYTES
+from .landing import TCP_PIECE_BYTES as LEAVE_PIECE_BYTES
 
 log = logging.getLogger("easypyverbs.soft")
 

@@ -199,16 +199,16 @@ class Responder:
         where the target lies in a shared region of ours. False (the request answered with an error, the
         QP failing) if the requester's memory cannot be read. `landing` (one target, a tracked MR's
         WRITE): place it piece by piece, each digested as soon as it is placed."""
-        pieces = landing.pieces() if landing is not None else None
         if pulled is None:
             if landing is not None:
-                for at, n, _first in pieces:  # type: ignore[union-attr]
+                for at, n, _first in landing.pieces(over_tcp=True):
                     rd.read_into(targets[0][at:at + n])
                     landing.landed(at, n)
                 return True
             for t in targets:
                 rd.read_into(t)
             return True
+        pieces = landing.pieces() if landing is not None else None
         with shm.placing() as others:
             if push and len(targets) == 1 and self._pushed(rd, targets[0], psn, landing, pieces, shm.take_push(others)):
                 return True
