@@ -63,12 +63,11 @@ def _crc_at(mem, origin: int, block: int, length: int) -> int:
 @pytest.fixture
 def small_pieces(monkeypatch):
     monkeypatch.setattr(L, "PIECE_BYTES", 16 << 10)
-    monkeypatch.setattr(L, "TCP_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr(L, "TCP_PIECE_BYTES", 24 << 10)  # a socket's pieces: their own size, not dividing a block
 
 
 def test_pieces_cover_the_write_in_order_and_never_cross_a_block(small_pieces):
     _mem, wd = _tracked(origin=100)
-    L.TCP_PIECE_BYTES = 24 << 10  # (monkeypatched back) a socket's pieces are their own size
     for (offset, length), over_tcp in itertools.product(
             ((0, 5 * B + 7), (100, 2 * B), (100 + B // 2, 3 * B), (50, 60), (100 + 3 * B, 1)), (False, True)):
         pieces = wd.begin(offset, length).pieces(over_tcp)
