@@ -158,6 +158,18 @@ class MR(Resource):
         process: pyverbs). Call before the peer can write (right after registering)."""
         return None
 
+    def revoke_remote(self) -> bool:
+        """Stop remote access under the current rkey and keep the memory registered: from now on a peer's
+        request under that rkey fails (remote access error); one being placed finishes first, within the
+        provider's close bound. `rekey` opens it again under a new rkey. False where the provider cannot (a
+        NIC: close the MR and register the memory anew instead); then nothing changed."""
+        return False
+
+    def rekey(self) -> int:
+        """After `revoke_remote`: remote access again, under a new rkey (returned), which no earlier
+        descriptor of this MR holds; `track_writes` starts anew after it where wanted."""
+        raise UsageError(f"{type(self).__name__} cannot take a new rkey: close it and register the memory again")
+
     def _close_impl(self) -> None:
         self._view = memoryview(b"")
         self._owner = None

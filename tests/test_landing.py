@@ -168,7 +168,7 @@ def test_tracking_starts_only_once_no_write_is_being_placed(monkeypatch):
     monkeypatch.setattr(SoftMR, "_bound", lambda self: 0.2)
     a, b = make_pair("soft-tcp", size=B)
     try:
-        assert b.mr.begin_remote(0, 16) is not None  # a WRITE being placed (stalled)
+        assert b.mr.begin_remote(b.mr.rkey, 0, 16) is not None  # a WRITE being placed (stalled)
         with pytest.raises(ev.EasyVerbsError, match="still being placed"):
             b.mr.track_writes(0, B, lambda _b: _Crc())
         b.mr.end_remote()
@@ -191,7 +191,7 @@ def test_a_slot_closed_with_a_write_still_landing_is_never_tracked_again(monkeyp
         try:
             assert all(d is not None for d in slots.landed)
             stalled = slots.mrs[0]
-            assert stalled.begin_remote(0, 16) is not None
+            assert stalled.begin_remote(stalled.rkey, 0, 16) is not None
             slots.revoke(0)  # gives up waiting after the bound
             assert stalled.placing_after_close
             slots.grant(0)

@@ -75,11 +75,13 @@ def test_cli_help_and_usage_errors():
     assert out.returncode == 2
 
 
-def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch):
+@pytest.mark.parametrize("how", ["close", "revoke_remote"])
+def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch, how):
     """Like a NIC, the soft NIC finishes (or fails) a WRITE it is placing before a deregistration of its
-    target MR returns: once `close` has returned, no byte changes in that memory; a WRITE with the old
-    rkey afterwards fails with REM_ACCESS_ERR. (FedRDMA-E revokes a slot this way when its transfer
-    arrives, before checking the checksum: a peer's late WRITE must not change what was checked.)"""
+    target MR returns: once `close` (or `revoke_remote`, which keeps the memory registered) has returned,
+    no byte changes in that memory; a WRITE with the old rkey afterwards fails with REM_ACCESS_ERR.
+    (FedRDMA-E revokes a slot this way when its transfer arrives, before checking the checksum: a peer's
+    late WRITE must not change what was checked.)"""
     import threading
     import time
 
@@ -106,7 +108,7 @@ def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch):
         a.qp.post_write(a.mr.sge(0, size), remote, wr_id=1)
         time.sleep(0.2)  # the first half is in place, the second on its way
         t0 = time.monotonic()
-        closer = threading.Thread(target=b.mr.close)
+        closer = threading.Thread(target=getattr(b.mr, how))
         closer.start()
         closer.join(30)
         assert not closer.is_alive()
@@ -121,6 +123,46 @@ def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch):
         (wc2,) = a.cq.wait_n(1, 30)
         assert wc2.status == ev.WCStatus.REM_ACCESS_ERR
         assert bytes(b.buf) == snapshot
+    finally:
+        close_pair([a, b])
+
+
+def test_soft_rekey_opens_the_memory_again_under_a_new_rkey_only():
+    """MR.revoke_remote + MR.rekey (soft provider; FedRDMA-E's slot grants): no key opens the memory between
+    the two, and afterwards only the new one does; a rekey without a revoke first is a usage error. A NIC's
+    MR keeps the base class's answer (False: close and register anew instead). (A refused WRITE puts the
+    writer's QP in error, as on a NIC: each pair below ends with one.)"""
+    from .verbs_pair import close_pair, make_pair
+
+    assert pv.PyverbsMR.revoke_remote is ev.MR.revoke_remote
+
+    def write(a, remote, fill):
+        a.buf[:4096] = fill * 4096
+        a.qp.post_write(a.mr.sge(0, 4096), remote, wr_id=1)
+        (wc,) = a.cq.wait_n(1, 30)
+        return wc.status
+
+    a, b = make_pair("soft-tcp", size=1 << 16)
+    try:  # revoked, not yet rekeyed: the old key fails
+        old = b.mr.remote()
+        with pytest.raises(ev.UsageError, match="revoke_remote"):
+            b.mr.rekey()
+        assert write(a, old, b"\x01") == ev.WCStatus.SUCCESS and bytes(b.buf[:4096]) == b"\x01" * 4096
+        assert b.mr.revoke_remote() is True
+        assert write(a, old, b"\x02") == ev.WCStatus.REM_ACCESS_ERR
+        assert bytes(b.buf[:4096]) == b"\x01" * 4096
+    finally:
+        close_pair([a, b])
+    a, b = make_pair("soft-tcp", size=1 << 16)
+    try:  # rekeyed: the new key writes, the old one fails
+        old = b.mr.remote()
+        assert b.mr.revoke_remote() is True
+        rkey = b.mr.rekey()
+        new = b.mr.remote()
+        assert rkey == new.rkey == b.mr.rkey != old.rkey and new.addr == old.addr
+        assert write(a, new, b"\x03") == ev.WCStatus.SUCCESS and bytes(b.buf[:4096]) == b"\x03" * 4096
+        assert write(a, old, b"\x04") == ev.WCStatus.REM_ACCESS_ERR
+        assert bytes(b.buf[:4096]) == b"\x03" * 4096
     finally:
         close_pair([a, b])
 

@@ -1,7 +1,8 @@
 """The registered memory of one connection, and where each thing sits in it.
 
     pool      FedRDMA-E receive slots (remote write), each [HEADER][metadata cap][payload], each its
-              own MR: revoked when its transfer arrives, registered anew (new rkey) when released;
+              own MR: revoked when its transfer arrives, given a new rkey when released (the soft
+              provider keeps it registered; a NIC's is registered anew);
               each grows and shrinks with the traffic (slots.py)
     staging   FedRDMA staging buffers (remote write), each [HEADER][metadata cap][chunk]
     recv      the receive ring: small buffers for control SENDs (and the WRITE_WITH_IMM notices)

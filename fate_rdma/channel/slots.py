@@ -88,6 +88,8 @@ class SlotMemory:
         #: each slot's digests of the blocks its current grant's WRITEs placed (MR.track_writes), or None
         self.landed: List[Optional[Any]] = []
         self._untracked: Set[int] = set()
+        #: slots whose MR is registered with no remote access (revoked, kept for MR.rekey at the next grant)
+        self._keyless: Set[int] = set()
         self.initial_payload_bytes = min(initial_payload_bytes, offer.slot_payload_bytes)
         self._maps: List[Optional[mmap.mmap]] = []  # (None: a shared slot, unmapped with its last view)
         self._arrs: List[np.ndarray] = []
@@ -136,34 +138,62 @@ class SlotMemory:
         if self.pin and n > faulted_bytes:
             zero_fill(self._arrs[slot][faulted_bytes:n])  # fresh pages are zeros already: this only faults them in
         mr = self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY)
-        # before the rkey is granted: every WRITE under it is seen; never again for a slot whose MR was
-        # closed with a WRITE still being placed (that WRITE may change bytes after they are digested)
-        self.landed[slot] = None
-        if self.track is not None and slot not in self._untracked:
-            try:
-                self.landed[slot] = mr.track_writes(self.offer.offset_in_slot(0), BLOCK_BYTES, self.track)
-            except BaseException:
-                mr.close()
-                raise
+        try:
+            self._track(slot, mr)
+        except BaseException:
+            mr.close()
+            raise
         return mr
 
+    def _track(self, slot: int, mr: ev.MR) -> None:
+        """Before the rkey is granted: every WRITE under it is seen; never again for a slot whose MR was
+        revoked with a WRITE still being placed (that WRITE may change bytes after they are digested)."""
+        self.landed[slot] = None
+        if self.track is not None and slot not in self._untracked:
+            self.landed[slot] = mr.track_writes(self.offer.offset_in_slot(0), BLOCK_BYTES, self.track)
+
     def revoke(self, slot: int) -> None:
-        """Deregister the slot: from now on the peer's WRITEs to it fail (remote access error)."""
+        """From now on the peer's WRITEs to the slot fail (remote access error). Where the provider can
+        (MR.revoke_remote: the soft provider), the slot stays registered and `grant` gives it a new rkey,
+        which costs a fraction of registering it anew; else its MR is closed."""
+        mr = self.mrs[slot]
+        if mr is None or slot in self._keyless:
+            return
+        if mr.revoke_remote():
+            self._keyless.add(slot)
+            if getattr(mr, "placing_after_close", False):
+                self._untracked.add(slot)
+        else:
+            self._close(slot)
+
+    def _close(self, slot: int) -> None:
         mr, self.mrs[slot] = self.mrs[slot], None
+        self._keyless.discard(slot)
         if mr is not None:
             mr.close()
             if getattr(mr, "placing_after_close", False):
                 self._untracked.add(slot)
 
     def grant(self, slot: int) -> int:
-        """Register the slot anew as it is; returns the new rkey."""
+        """Give the slot out again as it is, under a new rkey (returned): a revoked slot's MR takes a new key
+        (MR.rekey) where the provider kept it registered, else the slot is registered anew."""
+        mr = self.mrs[slot]
+        if mr is not None and slot in self._keyless:
+            rkey = mr.rekey()
+            self._keyless.discard(slot)
+            try:
+                self._track(slot, mr)
+            except BaseException:
+                self._close(slot)  # (as a failed registration: the next grant registers it anew)
+                raise
+            return rkey
         return self.resize(slot, self.capacity[slot])
 
     def resize(self, slot: int, capacity: int) -> int:
         """Register the slot anew with room for `capacity` payload bytes; returns the new rkey. If the
         new registration fails, the slot is registered as it was and the error raised."""
         old_cap, old_bytes = self.capacity[slot], self.slot_bytes(slot)
-        self.revoke(slot)
+        self._close(slot)
         self.capacity[slot] = capacity
         new_bytes = self.slot_bytes(slot)
         if new_bytes < old_bytes:
@@ -191,7 +221,7 @@ class SlotMemory:
 
     def close(self) -> None:
         for i in range(len(self.mrs)):
-            self.revoke(i)
+            self._close(i)
         self.mrs, self.capacity = [], []
         arrs, maps = self._arrs, self._maps
         self._arrs, self._maps = [], []

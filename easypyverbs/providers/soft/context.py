@@ -15,7 +15,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 from ... import stalls
 from ...api import CQ, MR, PD, QP, Context
 from ...enums import Access
-from ...errors import EasyVerbsError
+from ...errors import EasyVerbsError, UsageError
 from ...tls import TLS_RECORD_HANDSHAKE, MutualTLS, TLSStream, first_byte, handshake
 from ...types import WC, DeviceInfo, PortInfo, QPCap
 from . import samehost, shm, wire
@@ -113,6 +113,14 @@ class SoftContext(Context):
         with self._lock:
             self._mrs[key] = mr
         return mr
+
+    def rekey_mr(self, mr: "SoftMR") -> int:
+        """Enter `mr` in the MR table under a fresh key (returned) in place of the one it had."""
+        with self._lock:
+            self._mrs.pop(mr.rkey, None)
+            key = self._new_key()
+            self._mrs[key] = mr
+        return key
 
     def remove_mr(self, mr: "SoftMR") -> None:
         with self._lock:
@@ -269,11 +277,12 @@ class SoftMR(MR):
     def _bound(self) -> float:
         return getattr(self.pd.ctx, "retry_timeout_s", 30.0) + 5.0
 
-    def begin_remote(self, offset: int, length: int) -> Optional[memoryview]:
-        """The view a remote WRITE may fill now, or None if the MR is being or has been deregistered;
-        pair with `end_remote`."""
+    def begin_remote(self, rkey: int, offset: int, length: int) -> Optional[memoryview]:
+        """The view a remote WRITE under `rkey` may fill now, or None if the MR is being or has been
+        deregistered or its remote access revoked, or `rkey` is no longer its key (a request that found the
+        MR under a key `rekey` replaced); pair with `end_remote`."""
         with self._remote:
-            if self._revoked or self.closed:
+            if self._revoked or self.closed or rkey != self.rkey:
                 return None
             view = self.view(offset, length)
             self._placing += 1
@@ -284,17 +293,37 @@ class SoftMR(MR):
             self._placing -= 1
             self._remote.notify_all()
 
-    def _close_impl(self) -> None:
+    def revoke_remote(self) -> bool:
+        self._check_open()
+        self._stop_remote()
+        return True
+
+    def rekey(self) -> int:
+        self._check_open()
+        if not self._revoked:
+            raise UsageError(f"soft MR rkey {self.rkey:#x}: rekey needs its remote access revoked first (revoke_remote)")
+        key = self.pd.ctx.rekey_mr(self)  # type: ignore[attr-defined]
+        with self._remote:
+            self.lkey = self.rkey = key
+            self._revoked = False
+        return key
+
+    def _stop_remote(self) -> None:
+        """No remote request under the current key from now on; returns once none is being placed (within the
+        close bound: past it, `placing_after_close`)."""
         self.pd.ctx.remove_mr(self)  # type: ignore[attr-defined]
         bound = self._bound()
         with self._remote:
             self._revoked = True
             if self._placing and not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
                 self.placing_after_close = True
-                log.error("soft MR rkey %#x closed while a remote WRITE into it was still being placed after %.0f s",
+                log.error("soft MR rkey %#x revoked while a remote WRITE into it was still being placed after %.0f s",
                           self.rkey, bound)
         if self.landing is not None:
             self.landing.close()
+
+    def _close_impl(self) -> None:
+        self._stop_remote()
         super()._close_impl()
 
 

@@ -279,7 +279,7 @@ class Responder:
             # the MR stays registered until this WRITE is placed: a deregistration meanwhile waits for it
             # (SoftMR.begin_remote), so no byte lands in memory whose registration has been revoked
             mr = self._find_mr(rkey, raddr, length, Access.REMOTE_WRITE)
-            view = mr.begin_remote(raddr - mr.addr, length) if mr is not None else None
+            view = mr.begin_remote(rkey, raddr - mr.addr, length) if mr is not None else None
             if view is None:
                 self._drain(rd, length, pulled)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
