@@ -197,7 +197,32 @@ def test_a_slot_closed_with_a_write_still_landing_is_never_tracked_again(monkeyp
             slots.grant(0)
             slots.grant(1)
             assert slots.landed[0] is None and slots.landed[1] is not None
+            assert slots.mrs[0] is not stalled and stalled.closed  # (the stalled WRITE's MR is not given out again)
             stalled.end_remote()
+        finally:
+            slots.close()
+
+
+def test_a_slot_granted_again_keeps_its_registration_under_a_new_rkey():
+    """Soft provider: a revoked slot keeps its MR, and its next grant is a new rkey on it (MR.rekey) with write
+    tracking begun anew; a new extent (resize) is a new registration."""
+    from fate_rdma.channel.handshake import PoolOffer
+    from fate_rdma.channel.slots import SlotMemory
+
+    with ev.open_device(provider="soft") as ctx:
+        pd = ctx.alloc_pd()
+        slots = SlotMemory(pd, PoolOffer(2, 8 * MiB, 4096), 8 * MiB, pin=False, track=lambda _b: _Crc())
+        try:
+            mr, old, digests = slots.mrs[0], slots.mrs[0].rkey, slots.landed[0]
+            slots.revoke(0)
+            slots.revoke(0)  # (twice: nothing more)
+            assert ctx.mr_by_rkey(old) is None and slots.mrs[0] is mr and not mr.closed
+            rkey = slots.grant(0)
+            assert slots.mrs[0] is mr and rkey == mr.rkey != old and ctx.mr_by_rkey(rkey) is mr
+            assert slots.landed[0] is not None and slots.landed[0] is not digests
+            slots.revoke(0)
+            slots.resize(0, 4 * MiB)
+            assert slots.mrs[0] is not mr and mr.closed and ctx.mr_by_rkey(slots.mrs[0].rkey) is slots.mrs[0]
         finally:
             slots.close()
 

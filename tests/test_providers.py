@@ -149,6 +149,7 @@ def test_soft_rekey_opens_the_memory_again_under_a_new_rkey_only():
             b.mr.rekey()
         assert write(a, old, b"\x01") == ev.WCStatus.SUCCESS and bytes(b.buf[:4096]) == b"\x01" * 4096
         assert b.mr.revoke_remote() is True
+        assert b.mr.begin_remote(old.rkey, 0, 16) is None and b.mr.remote_view(old.rkey, 0, 16) is None
         assert write(a, old, b"\x02") == ev.WCStatus.REM_ACCESS_ERR
         assert bytes(b.buf[:4096]) == b"\x01" * 4096
     finally:
@@ -160,6 +161,11 @@ def test_soft_rekey_opens_the_memory_again_under_a_new_rkey_only():
         rkey = b.mr.rekey()
         new = b.mr.remote()
         assert rkey == new.rkey == b.mr.rkey != old.rkey and new.addr == old.addr
+        # a request that found the MR under its old key before the revoke is refused when it comes to the bytes
+        assert b.mr.begin_remote(old.rkey, 0, 16) is None and b.mr.remote_view(old.rkey, 0, 16) is None
+        assert b.mr.remote_view(rkey, 0, 16) is not None
+        assert b.mr.begin_remote(rkey, 0, 16) is not None
+        b.mr.end_remote()
         assert write(a, new, b"\x03") == ev.WCStatus.SUCCESS and bytes(b.buf[:4096]) == b"\x03" * 4096
         assert write(a, old, b"\x04") == ev.WCStatus.REM_ACCESS_ERR
         assert bytes(b.buf[:4096]) == b"\x03" * 4096

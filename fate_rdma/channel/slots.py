@@ -159,11 +159,9 @@ class SlotMemory:
         mr = self.mrs[slot]
         if mr is None or slot in self._keyless:
             return
-        if mr.revoke_remote():
+        if not mr.closed and mr.revoke_remote() and not getattr(mr, "placing_after_close", False):
             self._keyless.add(slot)
-            if getattr(mr, "placing_after_close", False):
-                self._untracked.add(slot)
-        else:
+        else:  # (a WRITE still being placed past the bound stays with that MR: the next grant registers anew)
             self._close(slot)
 
     def _close(self, slot: int) -> None:

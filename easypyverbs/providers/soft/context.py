@@ -117,14 +117,20 @@ class SoftContext(Context):
     def rekey_mr(self, mr: "SoftMR") -> int:
         """Enter `mr` in the MR table under a fresh key (returned) in place of the one it had."""
         with self._lock:
-            self._mrs.pop(mr.rkey, None)
+            self._drop(mr)
             key = self._new_key()
             self._mrs[key] = mr
         return key
 
+    def _drop(self, mr: "SoftMR") -> None:
+        """(under `_lock`) `mr`'s table entry gone, if it still has one: its key, once revoked, may name another
+        MR since"""
+        if self._mrs.get(mr.rkey) is mr:
+            del self._mrs[mr.rkey]
+
     def remove_mr(self, mr: "SoftMR") -> None:
         with self._lock:
-            self._mrs.pop(mr.rkey, None)
+            self._drop(mr)
 
     def mr_by_rkey(self, rkey: int) -> Optional["SoftMR"]:
         with self._lock:
@@ -288,6 +294,14 @@ class SoftMR(MR):
             self._placing += 1
             return view
 
+    def remote_view(self, rkey: int, offset: int, length: int) -> Optional[memoryview]:
+        """The view a remote READ under `rkey` may read now, or None (as `begin_remote`, unpaired: a READ
+        answered while a revoke runs reads bytes no WRITE is placing)."""
+        with self._remote:
+            if self._revoked or self.closed or rkey != self.rkey:
+                return None
+            return self.view(offset, length)
+
     def end_remote(self) -> None:
         with self._remote:
             self._placing -= 1
@@ -315,7 +329,9 @@ class SoftMR(MR):
         bound = self._bound()
         with self._remote:
             self._revoked = True
-            if self._placing and not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
+            # (once past the bound, never again for this MR: its stalled WRITE is known)
+            if self._placing and not self.placing_after_close \
+                    and not self._remote.wait_for(lambda: self._placing == 0, timeout=bound):
                 self.placing_after_close = True
                 log.error("soft MR rkey %#x revoked while a remote WRITE into it was still being placed after %.0f s",
                           self.rkey, bound)

@@ -80,7 +80,7 @@ class Responder:
     def _lookup(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[memoryview]:
         mr = self._find_mr(rkey, raddr, length, need)
         try:
-            return None if mr is None else mr.view(raddr - mr.addr, length)
+            return None if mr is None else mr.remote_view(rkey, raddr - mr.addr, length)
         except UsageError:  # deregistered meanwhile
             return None
 
