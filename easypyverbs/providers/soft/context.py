@@ -288,7 +288,7 @@ class SoftMR(MR):
         deregistered or its remote access revoked, or `rkey` is no longer its key (a request that found the
         MR under a key `rekey` replaced); pair with `end_remote`."""
         with self._remote:
-            if self._revoked or self.closed or rkey != self.rkey:
+            if not self._open_to(rkey):
                 return None
             view = self.view(offset, length)
             self._placing += 1
@@ -298,9 +298,11 @@ class SoftMR(MR):
         """The view a remote READ under `rkey` may read now, or None (as `begin_remote`, unpaired: a READ
         answered while a revoke runs reads bytes no WRITE is placing)."""
         with self._remote:
-            if self._revoked or self.closed or rkey != self.rkey:
-                return None
-            return self.view(offset, length)
+            return self.view(offset, length) if self._open_to(rkey) else None
+
+    def _open_to(self, rkey: int) -> bool:
+        """(under `_remote`) May a remote request under `rkey` touch this MR's memory now?"""
+        return not (self._revoked or self.closed) and rkey == self.rkey
 
     def end_remote(self) -> None:
         with self._remote:
