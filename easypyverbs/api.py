@@ -80,8 +80,12 @@ class PD(Resource):
         super().__init__(ctx)
         self.ctx = ctx
 
-    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> "MR":
-        """Register `buffer` (zero copy). Remote write/read or local write need a writable buffer."""
+    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE, revocable: bool = False) -> "MR":
+        """Register `buffer` (zero copy). Remote write/read or local write need a writable buffer.
+
+        `revocable`: remote access is to be taken back and given again under new rkeys (MR.revoke_remote,
+        MR.rekey) while the memory stays registered: the soft provider does that for every MR; pyverbs through
+        a memory window where `ctx.memory_windows` (pyverbs_windows), else its MR's revoke_remote answers False."""
         self._check_open()
         if type(access) is not Access:
             access = Access(access)
@@ -89,7 +93,7 @@ class PD(Resource):
         if bits & _REMOTE_WRITE_OR_ATOMIC and not bits & _LOCAL_WRITE:
             raise UsageError("REMOTE_WRITE requires LOCAL_WRITE (as ibv_reg_mr does)")
         view = as_byte_view(buffer, writable=bool(bits & _LOCAL_WRITE))
-        return self._reg_mr(buffer, view, access)
+        return self._reg_mr(buffer, view, access, revocable)
 
     def create_qp(self, send_cq: "CQ", recv_cq: Optional["CQ"] = None, cap: QPCap = QPCap()) -> "QP":
         """Create an RC queue pair in RESET->INIT; call `connect()` with the peer's `QPInfo`."""
@@ -102,7 +106,7 @@ class PD(Resource):
         return self._create_qp(send_cq, recv_cq, cap)
 
     @abc.abstractmethod
-    def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> "MR":
+    def _reg_mr(self, buffer: Any, view: memoryview, access: Access, revocable: bool = False) -> "MR":
         """Provider hook."""
 
     @abc.abstractmethod

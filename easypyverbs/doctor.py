@@ -28,9 +28,11 @@ def report() -> Dict[str, Any]:
 
             with PyverbsContext(name) as ctx:
                 info = ctx.query()
+                windows = ctx.memory_windows
             out["devices"].append({
                 "name": name, "max_mr_bytes": info.max_mr_bytes, "max_qp_wr": info.max_qp_wr,
                 "max_mw": info.max_mw, "label": info.notes or f"pyverbs ({name})",
+                "revocable_grants": "memory window" if windows else "registered anew",
                 "ports": [{"port": p.port_num, "state": p.state, "mtu": p.mtu, "max_msg_bytes": p.max_msg_bytes,
                            "lid": p.lid, "link_layer": p.link_layer,
                            "gids": [{"index": i, "gid": g, "type": t} for i, g, t in p.gids]} for p in info.ports],
@@ -66,6 +68,9 @@ def render(rep: Dict[str, Any]) -> str:
                 continue
             lines.append(f"  device      {d['name']} (max MR {d['max_mr_bytes']} B, max QP WR {d['max_qp_wr']}, "
                          f"memory windows {d['max_mw'] or 'none'}): {d['label']}")
+            lines.append(f"    revocable MRs (FedRDMA-E slot grants): {d['revocable_grants']} at each grant"
+                         + ("" if d["revocable_grants"] == "memory window" else
+                            " (no windows, or rxe: easypyverbs/providers/pyverbs_windows.py)"))
             for port in d["ports"]:
                 lines.append(f"    port {port['port']}   {port['state']}, {port['link_layer']}, MTU {port['mtu']}, "
                              f"max_msg_sz {port['max_msg_bytes']}, LID {port['lid']}")

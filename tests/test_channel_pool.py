@@ -71,6 +71,14 @@ def test_payload_much_larger_than_the_initial_slot_grows_it(provider):
         peer.close()
 
 
+def test_pyverbs_slots_granted_through_memory_windows_grow(monkeypatch):
+    """The test above on pyverbs with memory windows forced on (EASYPYVERBS_MEMORY_WINDOWS=on: off by default on
+    rxe0, easypyverbs pyverbs_windows): each grant a window bound anew, a grown slot registered anew."""
+    require("pyverbs")
+    monkeypatch.setenv("EASYPYVERBS_MEMORY_WINDOWS", "on")
+    test_payload_much_larger_than_the_initial_slot_grows_it("pyverbs")
+
+
 def test_pool_shrinks_when_idle_and_grows_again(provider):
     cfg = grow_cfg(provider, pool_idle_s=2.0)  # long enough to read the grown pool first, even in a TCG VM
     peer = Peer(cfg)

@@ -130,11 +130,9 @@ def test_soft_deregistration_waits_for_a_write_being_placed(monkeypatch, how):
 def test_soft_rekey_opens_the_memory_again_under_a_new_rkey_only():
     """MR.revoke_remote + MR.rekey (soft provider; FedRDMA-E's slot grants): no key opens the memory between
     the two, and afterwards only the new one does; a rekey without a revoke first is a usage error. A NIC's
-    MR keeps the base class's answer (False: close and register anew instead). (A refused WRITE puts the
+    MR registered without revocable=True answers False (test_verbs_conformance). (A refused WRITE puts the
     writer's QP in error, as on a NIC: each pair below ends with one.)"""
     from .verbs_pair import close_pair, make_pair
-
-    assert pv.PyverbsMR.revoke_remote is ev.MR.revoke_remote
 
     def write(a, remote, fill):
         a.buf[:4096] = fill * 4096
@@ -185,3 +183,18 @@ def test_demo_part_2_gives_bench_fate_every_argument():
     fate_federation.add_arguments(p)
     wanted = {a.dest for a in p._actions if a.dest != "help"}
     assert wanted <= set(vars(full_comparison_args("soft")))
+
+
+def test_memory_windows_setting(monkeypatch):
+    """EASYPYVERBS_MEMORY_WINDOWS: auto (windows where the device has them, except rxe), on, off; anything else
+    is a usage error naming the variable. No setting gives windows a device does not have."""
+    from easypyverbs.providers.pyverbs_windows import windows_wanted
+
+    for how, want in (("", [True, False, False, False]), ("auto", [True, False, False, False]),
+                      ("on", [True, True, False, False]), ("OFF", [False, False, False, False])):
+        monkeypatch.setenv("EASYPYVERBS_MEMORY_WINDOWS", how)
+        got = [windows_wanted(has, rxe) for has, rxe in ((True, False), (True, True), (False, False), (False, True))]
+        assert got == want, how
+    monkeypatch.setenv("EASYPYVERBS_MEMORY_WINDOWS", "yes")
+    with pytest.raises(ev.UsageError, match="EASYPYVERBS_MEMORY_WINDOWS='yes': expected on, off or auto"):
+        windows_wanted(True, False)

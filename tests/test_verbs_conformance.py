@@ -29,7 +29,10 @@ DEVICE_DIFFERENCES = {
     "RNR retry": "soft: gives up after rnr_timeout_s; real devices with rnr_retry=7 retry for ever (test skipped).",
     "memory windows": "rxe: type 1 and 2 (max_mw 524287), but Linux 6.1's rxe checks a WRITE through a window "
     "against the underlying MR, not the window's bounds; re-binding a bound type-2 window gives MW_BIND_ERR "
-    "(invalidate first; pyverbs 44 cannot set invalidate_rkey); soft provider: no memory windows.",
+    "(invalidate first; pyverbs 44 cannot set invalidate_rkey); soft provider: no memory windows. Revocable MRs "
+    "(PD.reg_mr(revocable=True)) use a fresh type 1 window per grant, deallocated at the revoke; rxe's responder "
+    "checks a WRITE's key on its first packet only, so one admitted before the dealloc may finish after it: "
+    "windows are off on rxe by default (pyverbs_windows.py), forced on in the test below.",
 }
 
 
@@ -523,6 +526,55 @@ def test_memory_window_bounds(mw_pair):
     if wc.status == WCStatus.SUCCESS and soft_roce(a):
         pytest.xfail("DEVICE_DIFFERENCES['memory windows']: rxe accepted a WRITE 1 KiB past a 64-byte window")
     assert wc.status == WCStatus.REM_ACCESS_ERR and pmr.read(16, 1024) == bytes(16)
+
+
+def _write_status(a, remote, fill: bytes):
+    """WRITE 4 KiB of `fill` from a to `remote`; the completion's status."""
+    a.buf[:4096] = fill * 4096
+    a.qp.post_write(a.mr.sge(0, 4096), remote, wr_id=1)
+    (wc,) = a.cq.wait_n(1, T * 6)
+    return wc.status
+
+
+@pytest.mark.parametrize("how", ["revoked", "rekeyed"])
+def test_revocable_mr_takes_remote_access_back_and_gives_it_under_a_new_key(provider, how):
+    """PD.reg_mr(revocable=True), FedRDMA-E's receive slots: revoke_remote stops every WRITE under the key the
+    peer holds while the memory stays registered; rekey opens it again under a new key, and only that one.
+    pyverbs: through a type 1 memory window (on rxe0 forced on: off there by default, pyverbs_windows), the MR's
+    own key granting nothing remote; a plain pyverbs MR answers False (register anew instead). A refused WRITE
+    puts the writer's QP in error, as on a NIC: each pair ends with one."""
+    a, b = make_pair(provider)
+    try:
+        if provider == "pyverbs":
+            if not b.ctx.query().max_mw:
+                pytest.skip(f"{b.ctx.name} reports max_mw 0: no memory windows")
+            assert b.mr.revoke_remote() is False  # registered without revocable=True: a plain MR
+            b.ctx.memory_windows = True
+        buf = bytearray(1 << 14)
+        mr = b.pd.reg_mr(buf, ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE, revocable=True)
+        old = mr.remote()
+        with pytest.raises(ev.UsageError, match="revoke_remote"):
+            mr.rekey()
+        assert _write_status(a, old, b"\x01") == WCStatus.SUCCESS and bytes(buf[:4096]) == b"\x01" * 4096
+        if provider == "pyverbs":  # the registration's own key is not the one given out, and opens nothing
+            assert mr._mr.rkey != old.rkey
+        assert mr.revoke_remote() is True
+        if how == "rekeyed":
+            rkey = mr.rekey()
+            new = mr.remote()
+            assert rkey == new.rkey == mr.rkey != old.rkey and new.addr == old.addr
+            assert _write_status(a, new, b"\x03") == WCStatus.SUCCESS and bytes(buf[:4096]) == b"\x03" * 4096
+            if provider == "pyverbs":
+                own = ev.RemoteMR(old.addr, mr._mr.rkey, old.length)
+                assert _write_status(a, own, b"\x05") == WCStatus.REM_ACCESS_ERR
+                assert bytes(buf[:4096]) == b"\x03" * 4096
+                return
+        before = bytes(buf[:4096])
+        assert _write_status(a, old, b"\x04") == WCStatus.REM_ACCESS_ERR
+        assert bytes(buf[:4096]) == before
+        mr.close()  # (a window still bound would make the device refuse the deregistration)
+    finally:
+        close_pair([a, b])
 
 
 def test_soft_data_path_is_chosen_and_reported():

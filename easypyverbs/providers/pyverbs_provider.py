@@ -150,6 +150,14 @@ class PyverbsContext(Context):
         self.gid = str(_call("query_gid", self._ctx.query_gid, port_num, self.gid_index).gid)
         self._attr = _call("query_device", self._ctx.query_device)
         self.soft_roce = self._attr.vendor_id == _RXE_VENDOR_ID or name.startswith("rxe")
+        #: whether `reg_mr(..., revocable=True)` opens remote access through a type 1 memory window, so that
+        #: `revoke_remote`/`rekey` take it back and give it again without registering anew (pyverbs_windows):
+        #: on where the device has windows, except rxe (whose responder lets a WRITE admitted before a
+        #: window's dealloc finish after it); EASYPYVERBS_MEMORY_WINDOWS=on|off, or setting it, chooses.
+        #: Turned off, with a warning, if a bind fails.
+        from .pyverbs_windows import windows_wanted
+
+        self.memory_windows = windows_wanted(bool(self._attr.max_mw), self.soft_roce)
         log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d, max_msg_sz %d%s", name, port_num, self.gid_index,
                  self.gid, MTU_BYTES.get(self._port.active_mtu, 0), self._port.max_msg_sz,
                  f" [{soft_roce_label()}]" if self.soft_roce else "")
@@ -209,6 +217,8 @@ class PyverbsPD(PD):
         super().__init__(ctx)
         self._pd = _call("alloc_pd", _PD, ctx._ctx)
         self._scratch: Any = None  # pyverbs MR (its own 64-byte buffer) for receives with no buffer
+        self._binder: Any = None  # pyverbs_windows.Binder, made at the first window bind
+        self._binder_lock = threading.Lock()
 
     def scratch_sge(self) -> Any:
         """A zero-length SGE over a small registered buffer: the 'no SGE' receive pyverbs 44 cannot build."""
@@ -220,22 +230,51 @@ class PyverbsPD(PD):
             self._scratch = mr
         return _SGE(self._scratch.buf, 0, self._scratch.lkey)
 
-    def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> MR:
+    def _reg_mr(self, buffer: Any, view: memoryview, access: Access, revocable: bool = False) -> MR:
         from pyverbs.mr import MR as _MR
 
         from ..buffers import address_of
+        from . import pyverbs_windows as W
 
         if view.nbytes == 0:
             raise UsageError("cannot register an empty buffer")
-        mr = _call("reg_mr", _MR, self._pd, view.nbytes, int(access), address=address_of(view))
+        ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
+        windowed = revocable and bool(W.remote_bits(int(access))) and ctx.memory_windows
+        bits = W.registration_access(int(access), ctx.e) if windowed else int(access)
+        mr = _call("reg_mr", _MR, self._pd, view.nbytes, bits, address=address_of(view))
         out = PyverbsMR(self, buffer, view, access, mr.lkey, mr.rkey)
         out._mr = mr
+        if windowed:
+            try:
+                out._windowed = True
+                out.rekey()
+            except EasyVerbsError as exc:
+                out.close()
+                ctx.memory_windows = False
+                log.warning("pyverbs: %s: a memory window could not be bound (%s): revocable MRs are registered "
+                            "anew at each grant from now on", ctx.name, exc)
+                return self._reg_mr(buffer, view, access, revocable)
         return out
+
+    def bind_window(self, raw_mr: Any, access: int) -> Any:
+        """A type 1 memory window over all of `raw_mr` with remote `access`, bound (pyverbs_windows.Binder)."""
+        from . import pyverbs_windows as W
+
+        with self._binder_lock:
+            if self._binder is not None and self._binder.broken:
+                self._binder.close()
+                self._binder = None
+            if self._binder is None:
+                self._binder = W.Binder(self)
+            binder = self._binder
+        return binder.bind(self._pd, raw_mr, access)
 
     def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
         return PyverbsQP(self, send_cq, recv_cq, cap)
 
     def _close_impl(self) -> None:
+        if self._binder is not None:
+            self._binder.close()
         if self._scratch is not None:
             self._scratch.close()
         self._pd.close()
@@ -243,8 +282,37 @@ class PyverbsPD(PD):
 
 class PyverbsMR(MR):
     _mr: Any = None
+    #: registered revocable with a window (pyverbs_windows): remote access only through `_mw`
+    _windowed = False
+    _mw: Any = None
+
+    def revoke_remote(self) -> bool:
+        self._check_open()
+        if not self._windowed:
+            return False
+        self._drop_window()
+        return True
+
+    def rekey(self) -> int:
+        self._check_open()
+        if not self._windowed:
+            return super().rekey()
+        if self._mw is not None:
+            raise UsageError(f"pyverbs MR rkey {self.rkey:#x}: rekey needs its remote access revoked first (revoke_remote)")
+        from . import pyverbs_windows as W
+
+        pd: PyverbsPD = self.pd  # type: ignore[assignment]
+        self._mw = pd.bind_window(self._mr, W.remote_bits(int(self.access)))
+        self.rkey = int(self._mw.rkey)
+        return self.rkey
+
+    def _drop_window(self) -> None:
+        mw, self._mw = self._mw, None
+        if mw is not None:
+            _call("dealloc_mw", mw.close)
 
     def _close_impl(self) -> None:
+        self._drop_window()  # (a device refuses to deregister an MR with a window bound)
         if self._mr is not None:
             self._mr.close()
         super()._close_impl()

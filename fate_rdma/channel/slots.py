@@ -137,7 +137,7 @@ class SlotMemory:
         n = self.slot_bytes(slot)
         if self.pin and n > faulted_bytes:
             zero_fill(self._arrs[slot][faulted_bytes:n])  # fresh pages are zeros already: this only faults them in
-        mr = self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY)
+        mr = self._pd.reg_mr(self._arrs[slot][:n], WRITE_ONLY, revocable=True)
         try:
             self._track(slot, mr)
         except BaseException:
@@ -154,8 +154,9 @@ class SlotMemory:
 
     def revoke(self, slot: int) -> None:
         """From now on the peer's WRITEs to the slot fail (remote access error). Where the provider can
-        (MR.revoke_remote: the soft provider), the slot stays registered and `grant` gives it a new rkey,
-        which costs a fraction of registering it anew; else its MR is closed."""
+        (MR.revoke_remote: the soft provider; pyverbs through a memory window, easypyverbs pyverbs_windows), the
+        slot stays registered and `grant` gives it a new rkey, which costs a fraction of registering it anew (on
+        a NIC, no pinning and mapping of its pages again); else its MR is closed."""
         mr = self.mrs[slot]
         if mr is None or slot in self._keyless:
             return

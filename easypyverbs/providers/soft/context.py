@@ -244,7 +244,8 @@ class SoftContext(Context):
 
 
 class _SoftPD(PD):
-    def _reg_mr(self, buffer: Any, view: memoryview, access: Access) -> MR:
+    def _reg_mr(self, buffer: Any, view: memoryview, access: Access, revocable: bool = False) -> MR:
+        # (every soft MR is revocable: SoftMR.revoke_remote, rekey)
         ctx: SoftContext = self.ctx  # type: ignore[assignment]
         return ctx.register_mr(lambda key: SoftMR(self, buffer, view, access, key, key))
 
