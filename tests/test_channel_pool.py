@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Optional
 
 import crc32c
 import numpy as np
 import pytest
 
+import easypyverbs as ev
 from fate_rdma import errors as E
 from fate_rdma.channel import Endpoint, transfer
 from fate_rdma.config import ChannelConfig
@@ -48,7 +50,8 @@ def connect(ep: Endpoint, peer: Peer) -> None:
     wait_for(lambda: stats(peer)["pool_bytes"] > 0, 10, "the peer's side of the connection")
 
 
-def test_payload_much_larger_than_the_initial_slot_grows_it(provider):
+def test_payload_much_larger_than_the_initial_slot_grows_it(provider, windows: Optional[int] = None):
+    """(`windows`: how many of the peer's slots must be granted through memory windows, before and after)"""
     cfg = grow_cfg(provider)
     peer = Peer(cfg)
     try:
@@ -56,6 +59,7 @@ def test_payload_much_larger_than_the_initial_slot_grows_it(provider):
             connect(ep, peer)
             idle = stats(peer)
             assert idle["pool_bytes"] == 2 * (SLOT_AREA + 4096) == idle["budget_held_bytes"]
+            _windowed_slots(peer, windows)
             data = np.random.default_rng(7).integers(0, 256, (24 << 20) + 5, dtype=np.uint8)  # 6000 x the slot
             info = ep.send(peer.address, data, {"big": 1}).result(60)
             (rec,) = peer.expect(timeout_s=60)
@@ -67,16 +71,25 @@ def test_payload_much_larger_than_the_initial_slot_grows_it(provider):
             for i in range(3):  # small ones after it, in the grown slot and the other one
                 ep.send(peer.address, b"x" * 100, {"i": i}).result(30)
             assert [r["metadata"]["i"] for r in peer.expect(3)[-3:]] == [0, 1, 2]
+            _windowed_slots(peer, windows)
     finally:
         peer.close()
 
 
-def test_pyverbs_slots_granted_through_memory_windows_grow(monkeypatch):
-    """The test above on pyverbs with memory windows forced on (EASYPYVERBS_MEMORY_WINDOWS=on: off by default on
-    rxe0, easypyverbs pyverbs_windows): each grant a window bound anew, a grown slot registered anew."""
+def test_pyverbs_slots_grow_through_memory_windows_and_without(monkeypatch):
+    """The test above on pyverbs, the peer's slots granted through memory windows (the default where the device
+    has them: easypyverbs pyverbs_windows), then with EASYPYVERBS_MEMORY_WINDOWS=off (registered anew)."""
     require("pyverbs")
-    monkeypatch.setenv("EASYPYVERBS_MEMORY_WINDOWS", "on")
-    test_payload_much_larger_than_the_initial_slot_grows_it("pyverbs")
+    with ev.open_device(provider="pyverbs") as ctx:
+        has = bool(ctx.query().max_mw)
+    test_payload_much_larger_than_the_initial_slot_grows_it("pyverbs", windows=2 if has else 0)
+    monkeypatch.setenv("EASYPYVERBS_MEMORY_WINDOWS", "off")
+    test_payload_much_larger_than_the_initial_slot_grows_it("pyverbs", windows=0)
+
+
+def _windowed_slots(peer: Peer, want: Optional[int]) -> None:
+    if want is not None:
+        assert stats(peer)["windowed_slots"] == want
 
 
 def test_pool_shrinks_when_idle_and_grows_again(provider):

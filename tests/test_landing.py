@@ -6,6 +6,7 @@ corrupted where they land still refused. In-process; "soft" is the same-host pat
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 
 import crc32c
@@ -223,6 +224,32 @@ def test_a_slot_granted_again_keeps_its_registration_under_a_new_rkey():
             slots.revoke(0)
             slots.resize(0, 4 * MiB)
             assert slots.mrs[0] is not mr and mr.closed and ctx.mr_by_rkey(slots.mrs[0].rkey) is slots.mrs[0]
+        finally:
+            slots.close()
+
+
+def test_a_slot_whose_new_key_cannot_be_given_is_registered_anew(monkeypatch, caplog):
+    """A rekey that fails (pyverbs: a memory window that cannot be bound) does not lose the slot: it is
+    registered anew, under a key that works, and the log says so."""
+    from fate_rdma.channel.handshake import PoolOffer
+    from fate_rdma.channel.slots import SlotMemory
+    from easypyverbs.providers.soft.context import SoftMR
+
+    def refuse(self):
+        raise ev.EasyVerbsError("bind_mw: completion MW_BIND_ERR (vendor error 0)")
+
+    with ev.open_device(provider="soft") as ctx:
+        pd = ctx.alloc_pd()
+        slots = SlotMemory(pd, PoolOffer(2, 8 * MiB, 4096), 8 * MiB, pin=False, track=lambda _b: _Crc())
+        try:
+            mr, old = slots.mrs[0], slots.mrs[0].rkey
+            slots.revoke(0)
+            monkeypatch.setattr(SoftMR, "rekey", refuse)
+            with caplog.at_level(logging.WARNING, logger="fate_rdma.channel.slots"):
+                rkey = slots.grant(0)
+            assert "receive slot 0: a new key could not be given (bind_mw: completion MW_BIND_ERR" in caplog.text
+            assert mr.closed and slots.mrs[0] is not mr and rkey == slots.mrs[0].rkey != old
+            assert ctx.mr_by_rkey(rkey) is slots.mrs[0] and slots.landed[0] is not None
         finally:
             slots.close()
 

@@ -7,6 +7,7 @@ and DEVICE_DIFFERENCES names who does what:
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 
@@ -30,9 +31,7 @@ DEVICE_DIFFERENCES = {
     "memory windows": "rxe: type 1 and 2 (max_mw 524287), but Linux 6.1's rxe checks a WRITE through a window "
     "against the underlying MR, not the window's bounds; re-binding a bound type-2 window gives MW_BIND_ERR "
     "(invalidate first; pyverbs 44 cannot set invalidate_rkey); soft provider: no memory windows. Revocable MRs "
-    "(PD.reg_mr(revocable=True)) use a fresh type 1 window per grant, deallocated at the revoke; rxe's responder "
-    "checks a WRITE's key on its first packet only, so one admitted before the dealloc may finish after it: "
-    "windows are off on rxe by default (pyverbs_windows.py), forced on in the test below.",
+    "take a fresh type 1 window per grant (easypyverbs/providers/pyverbs_windows.py).",
 }
 
 
@@ -536,13 +535,15 @@ def _write_status(a, remote, fill: bytes):
     return wc.status
 
 
-@pytest.mark.parametrize("how", ["revoked", "rekeyed"])
+@pytest.mark.parametrize("how", ["revoked", "rekeyed", "own-key"])
 def test_revocable_mr_takes_remote_access_back_and_gives_it_under_a_new_key(provider, how):
     """PD.reg_mr(revocable=True), FedRDMA-E's receive slots: revoke_remote stops every WRITE under the key the
     peer holds while the memory stays registered; rekey opens it again under a new key, and only that one.
-    pyverbs: through a type 1 memory window (on rxe0 forced on: off there by default, pyverbs_windows), the MR's
-    own key granting nothing remote; a plain pyverbs MR answers False (register anew instead). A refused WRITE
-    puts the writer's QP in error, as on a NIC: each pair ends with one."""
+    pyverbs: through a type 1 memory window (on unless EASYPYVERBS_MEMORY_WINDOWS=off), the MR's
+    own key granting nothing remote ("own-key"); a plain pyverbs MR answers False (register anew instead). A
+    refused WRITE puts the writer's QP in error, as on a NIC: each case ends with one."""
+    if how == "own-key" and provider != "pyverbs":
+        pytest.skip("a soft MR has one key")
     a, b = make_pair(provider)
     try:
         if provider == "pyverbs":
@@ -556,25 +557,92 @@ def test_revocable_mr_takes_remote_access_back_and_gives_it_under_a_new_key(prov
         with pytest.raises(ev.UsageError, match="revoke_remote"):
             mr.rekey()
         assert _write_status(a, old, b"\x01") == WCStatus.SUCCESS and bytes(buf[:4096]) == b"\x01" * 4096
-        if provider == "pyverbs":  # the registration's own key is not the one given out, and opens nothing
+        if how == "own-key":  # the registration's own key is not the one given out, and opens nothing
             assert mr._mr.rkey != old.rkey
+            assert _write_status(a, ev.RemoteMR(old.addr, mr._mr.rkey, old.length), b"\x05") == WCStatus.REM_ACCESS_ERR
+            assert bytes(buf[:4096]) == b"\x01" * 4096
+            return
         assert mr.revoke_remote() is True
         if how == "rekeyed":
             rkey = mr.rekey()
             new = mr.remote()
             assert rkey == new.rkey == mr.rkey != old.rkey and new.addr == old.addr
             assert _write_status(a, new, b"\x03") == WCStatus.SUCCESS and bytes(buf[:4096]) == b"\x03" * 4096
-            if provider == "pyverbs":
-                own = ev.RemoteMR(old.addr, mr._mr.rkey, old.length)
-                assert _write_status(a, own, b"\x05") == WCStatus.REM_ACCESS_ERR
-                assert bytes(buf[:4096]) == b"\x03" * 4096
-                return
         before = bytes(buf[:4096])
         assert _write_status(a, old, b"\x04") == WCStatus.REM_ACCESS_ERR
         assert bytes(buf[:4096]) == before
-        mr.close()  # (a window still bound would make the device refuse the deregistration)
+        mr.close()  # (with a window still bound ("rekeyed"): deallocated first, else the device refuses)
     finally:
         close_pair([a, b])
+
+
+def test_revocable_mr_without_a_window_falls_back_to_a_plain_registration(provider, monkeypatch, caplog):
+    """pyverbs: a window that cannot be bound (a device that reports windows it cannot bind) turns windows off
+    for the context, saying so, and the revocable MR is registered plainly (revoke_remote answers False: the
+    channel registers it anew at each grant); nothing is left allocated."""
+    if provider != "pyverbs":
+        pytest.skip("pyverbs memory windows (the soft provider revokes every MR itself)")
+    import pyverbs.mr
+
+    def refuse(*_a, **_k):
+        raise ValueError("a bind this device refuses")
+
+    a, b = make_pair(provider)
+    try:
+        b.ctx.memory_windows = True
+        before = set(map(id, ev.live_resources()))
+        monkeypatch.setattr(pyverbs.mr, "MWBind", refuse)
+        with caplog.at_level(logging.WARNING, logger="easypyverbs.pyverbs"):
+            mr = b.pd.reg_mr(bytearray(1 << 14), ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE, revocable=True)
+        assert "a memory window could not be bound (bind_mw (arguments)" in caplog.text
+        assert b.ctx.memory_windows is False and mr.revoke_remote() is False and not mr._windowed
+        assert _write_status(a, mr.remote(), b"\x06") == WCStatus.SUCCESS
+        mr.close()
+        assert set(map(id, ev.live_resources())) == before  # the failed MR and the binder's QP and CQ closed
+    finally:
+        close_pair([a, b])
+
+
+@pytest.mark.parametrize("how", ["window", "deregistration"])
+def test_a_revoke_stops_a_write_already_under_way(provider, how):
+    """What a revocable slot's safety rests on (easypyverbs/providers/pyverbs_windows.py): once revoke_remote (a
+    window's dealloc) or close (the MR's deregistration) returns, no byte of a WRITE that was already under way
+    lands. A large WRITE is caught after its first bytes arrived and before its last; the memory is read when the
+    revoke returns and again after the WRITE completed. rxe0 passes both (the WRITE fails REM_ACCESS_ERR); on a NIC
+    this is the test to run before trusting either."""
+    if provider != "pyverbs":
+        pytest.skip("the soft provider's revoke and close wait for a WRITE being placed (test_providers)")
+    import time
+
+    sides = make_pair(provider, size=8 << 20)
+    a, b = sides
+    try:
+        if how == "window":
+            if not b.ctx.query().max_mw:
+                pytest.skip(f"{b.ctx.name} reports max_mw 0: no memory windows")
+            b.ctx.memory_windows = True
+        n = min(8 << 20, a.ctx.max_msg_bytes)
+        target = np.zeros(n, dtype=np.uint8)
+        mr = b.pd.reg_mr(target, ev.Access.LOCAL_WRITE | ev.Access.REMOTE_WRITE, revocable=True)
+        a.buf[:n] = b"\x11" * n
+        a.qp.post_write(a.mr.sge(0, n), mr.remote(), wr_id=7)
+        deadline = time.monotonic() + T * 6
+        while not target[0] and time.monotonic() < deadline:
+            pass
+        assert target[0], "the WRITE's first bytes never arrived"
+        mr.revoke_remote() if how == "window" else mr.close()
+        after_revoke = target.copy()
+        (wc,) = a.cq.wait_n(1, T * 6)
+        time.sleep(0.2)
+        if after_revoke[-1]:
+            pytest.skip(f"the WRITE had finished when the {how} returned: nothing raced it (inconclusive)")
+        landed_after = int(np.count_nonzero(target != after_revoke))
+        assert landed_after == 0, f"{landed_after} bytes landed after the {how} returned ({wc.status.name})"
+        assert wc.status == WCStatus.REM_ACCESS_ERR
+        if how == "window":
+            mr.close()
+    finally:
+        close_pair(sides)
 
 
 def test_soft_data_path_is_chosen_and_reported():

@@ -130,3 +130,28 @@ def test_bench_verbs_on_a_real_device_is_labelled_and_respects_max_msg_sz():
     assert all(r["label"] == label and r["emulated"] is False for r in done)
     if getattr(ctx, "soft_roce", False):
         assert "not RDMA performance" in label or "not RDMA hardware performance" in label
+
+
+@pytest.mark.parametrize("provider", ["soft", "pyverbs"])
+def test_bench_regrant_times_both_ways_and_labels_them(provider):
+    """`bench regrant`: per slot size, a new registration and a new key on the kept one, timed, with their ratio,
+    each line labelled with its provider; pyverbs without memory windows says why its rekey row is skipped."""
+    from .verbs_pair import require
+
+    require(provider)
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "regrant", "--providers", provider,
+                          "--sizes", "64K,2M", "--reps", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert {r["provider"] for r in rows} == {provider} and all(r["label"] for r in rows)
+    for size in (64 << 10, 2 << 20):
+        ways = {r["way"]: r for r in rows if r["slot_bytes"] == size}
+        assert ways["register"]["median_ms"] > 0 and ways["register"]["reps"] == 2
+        if "skipped" in ways["rekey"]:
+            assert provider == "pyverbs" and "memory windows" in ways["rekey"]["skipped"]
+        else:
+            assert ways["rekey"]["median_ms"] > 0 and ways["ratio"]["register_over_rekey"] > 0
+    assert ("emulated verbs over TCP" in out.stdout) == (provider == "soft")
+    bad = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "regrant", "--sizes", "12Q"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "fate-rdma bench regrant:" in bad.stderr

@@ -33,6 +33,7 @@ SOFT_ROCE_KVM_VM = "Soft-RoCE (rxe) in a KVM VM: verbs semantics, not RDMA perfo
 SOFT_ROCE = "Soft-RoCE (rxe): kernel verbs over a software NIC, not RDMA hardware performance"
 _RXE_VENDOR_ID = 0xFFFFFF  # what rdma_rxe reports as ibv_device_attr.vendor_id
 from ..types import WC, DeviceInfo, PortInfo, QPCap, QPInfo
+from . import pyverbs_windows as W
 
 log = logging.getLogger("easypyverbs.pyverbs")
 
@@ -152,12 +153,9 @@ class PyverbsContext(Context):
         self.soft_roce = self._attr.vendor_id == _RXE_VENDOR_ID or name.startswith("rxe")
         #: whether `reg_mr(..., revocable=True)` opens remote access through a type 1 memory window, so that
         #: `revoke_remote`/`rekey` take it back and give it again without registering anew (pyverbs_windows):
-        #: on where the device has windows, except rxe (whose responder lets a WRITE admitted before a
-        #: window's dealloc finish after it); EASYPYVERBS_MEMORY_WINDOWS=on|off, or setting it, chooses.
-        #: Turned off, with a warning, if a bind fails.
-        from .pyverbs_windows import windows_wanted
-
-        self.memory_windows = windows_wanted(bool(self._attr.max_mw), self.soft_roce)
+        #: where the device has windows unless EASYPYVERBS_MEMORY_WINDOWS=off, or set it. Turned off, with a
+        #: warning, if a bind fails.
+        self.memory_windows = W.windows_wanted(bool(self._attr.max_mw))
         log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d, max_msg_sz %d%s", name, port_num, self.gid_index,
                  self.gid, MTU_BYTES.get(self._port.active_mtu, 0), self._port.max_msg_sz,
                  f" [{soft_roce_label()}]" if self.soft_roce else "")
@@ -234,7 +232,6 @@ class PyverbsPD(PD):
         from pyverbs.mr import MR as _MR
 
         from ..buffers import address_of
-        from . import pyverbs_windows as W
 
         if view.nbytes == 0:
             raise UsageError("cannot register an empty buffer")
@@ -248,19 +245,15 @@ class PyverbsPD(PD):
             try:
                 out._windowed = True
                 out.rekey()
-            except EasyVerbsError as exc:
+            except EasyVerbsError:  # (rekey turned windows off, saying so)
                 out.close()
-                ctx.memory_windows = False
-                log.warning("pyverbs: %s: a memory window could not be bound (%s): revocable MRs are registered "
-                            "anew at each grant from now on", ctx.name, exc)
-                return self._reg_mr(buffer, view, access, revocable)
+                return self._reg_mr(buffer, view, access, False)
         return out
 
     def bind_window(self, raw_mr: Any, access: int) -> Any:
         """A type 1 memory window over all of `raw_mr` with remote `access`, bound (pyverbs_windows.Binder)."""
-        from . import pyverbs_windows as W
-
         with self._binder_lock:
+            self._check_open()
             if self._binder is not None and self._binder.broken:
                 self._binder.close()
                 self._binder = None
@@ -273,43 +266,17 @@ class PyverbsPD(PD):
         return PyverbsQP(self, send_cq, recv_cq, cap)
 
     def _close_impl(self) -> None:
-        if self._binder is not None:
-            self._binder.close()
+        with self._binder_lock:
+            if self._binder is not None:
+                self._binder.close()
+                self._binder = None
         if self._scratch is not None:
             self._scratch.close()
         self._pd.close()
 
 
-class PyverbsMR(MR):
+class PyverbsMR(W.WindowedMR, MR):
     _mr: Any = None
-    #: registered revocable with a window (pyverbs_windows): remote access only through `_mw`
-    _windowed = False
-    _mw: Any = None
-
-    def revoke_remote(self) -> bool:
-        self._check_open()
-        if not self._windowed:
-            return False
-        self._drop_window()
-        return True
-
-    def rekey(self) -> int:
-        self._check_open()
-        if not self._windowed:
-            return super().rekey()
-        if self._mw is not None:
-            raise UsageError(f"pyverbs MR rkey {self.rkey:#x}: rekey needs its remote access revoked first (revoke_remote)")
-        from . import pyverbs_windows as W
-
-        pd: PyverbsPD = self.pd  # type: ignore[assignment]
-        self._mw = pd.bind_window(self._mr, W.remote_bits(int(self.access)))
-        self.rkey = int(self._mw.rkey)
-        return self.rkey
-
-    def _drop_window(self) -> None:
-        mw, self._mw = self._mw, None
-        if mw is not None:
-            _call("dealloc_mw", mw.close)
 
     def _close_impl(self) -> None:
         self._drop_window()  # (a device refuses to deregister an MR with a window bound)

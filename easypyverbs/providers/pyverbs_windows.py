@@ -4,21 +4,22 @@ An MR registered revocable grants no remote access under its own rkey: it is reg
 and MW_BIND only, and remote access goes through a type 1 memory window bound over the whole MR. Taking the
 access back (`MR.revoke_remote`) deallocates the window; giving it again (`MR.rekey`) allocates a fresh one and
 binds it, under a new rkey. The memory stays registered (pinned) the whole time: on a NIC a registration pins
-and maps every page (tens to hundreds of milliseconds per GiB), a window bind is one work request.
+and maps every page (not measured here: no NIC), a window bind is one work request.
 
 `ibv_bind_mw` posts a bind work request on a QP in RTS, so each PD that binds windows keeps one private RC
 QP connected to itself, with its own CQ (`Binder`): no bind completion ever reaches the application's CQs, and
 a bind is complete (or failed) when `bind` returns. Type 1 windows are valid from every QP of the PD, as the MR's
 own rkey would have been.
 
-What rxe (Linux 6.1) does differently, and why windows are off there by default (`PyverbsContext.memory_windows`):
-its responder checks a WRITE's key once, on the first packet, and then holds the MR, not the window, so a
-multi-packet WRITE admitted before the window's dealloc may finish after it; deregistering the MR instead waits
-for that WRITE. NICs translate each packet through the key (not verified here: no NIC). Its window bounds are
-not checked either (DEVICE_DIFFERENCES in tests/test_verbs_conformance.py); these windows cover the whole MR.
+What is verified: on rxe0 (Linux 6.1, `make test`'s VM leg), a window's dealloc, like a deregistration, stops a
+WRITE already under way: the bytes placed when `revoke_remote` returns are all that land, and the WRITE fails
+with REM_ACCESS_ERR (tests/test_verbs_conformance.py `test_a_revoke_stops_a_write_already_under_way`, which is the
+test to run on a NIC: none has been tried). rxe does not check a window's bounds (DEVICE_DIFFERENCES there); these
+windows cover the whole MR. `EASYPYVERBS_MEMORY_WINDOWS=off` registers anew at each grant instead.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -26,18 +27,19 @@ from typing import Any
 from ..enums import Access, WCStatus
 from ..errors import EasyVerbsError, PollTimeout, UsageError
 
+log = logging.getLogger("easypyverbs.pyverbs")
+
 #: a bind is a local work request: this bounds the wait for its completion
 BIND_TIMEOUT_S = 5.0
 _REMOTE = int(Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC)
 
 
-def windows_wanted(device_has: bool, soft_roce: bool) -> bool:
-    """PyverbsContext.memory_windows at open: EASYPYVERBS_MEMORY_WINDOWS (on, off, auto: the default)."""
-    how = os.environ.get("EASYPYVERBS_MEMORY_WINDOWS", "auto").strip().lower() or "auto"
-    if how not in ("on", "off", "auto"):
-        raise UsageError(f"EASYPYVERBS_MEMORY_WINDOWS={how!r}: expected on, off or auto")
-    if how == "auto":
-        return device_has and not soft_roce
+def windows_wanted(device_has: bool) -> bool:
+    """PyverbsContext.memory_windows at open: where the device has windows, unless EASYPYVERBS_MEMORY_WINDOWS=off
+    (on: the default)."""
+    how = os.environ.get("EASYPYVERBS_MEMORY_WINDOWS", "on").strip().lower() or "on"
+    if how not in ("on", "off"):
+        raise UsageError(f"EASYPYVERBS_MEMORY_WINDOWS={how!r}: expected on or off")
     return how == "on" and device_has
 
 
@@ -62,11 +64,12 @@ class Binder:
         self._next = 1
         self.broken = False
         self.cq = PyverbsCQ(pd.ctx, 4)
+        self.qp: Any = None
         try:
             self.qp = PyverbsQP(pd, self.cq, self.cq, QPCap(max_send_wr=2, max_recv_wr=1, max_send_sge=1, max_recv_sge=1))
             self.qp.connect(self.qp.info())
         except BaseException:
-            self.cq.close()
+            self.close()
             raise
 
     def bind(self, raw_pd: Any, raw_mr: Any, access: int) -> Any:
@@ -82,7 +85,8 @@ class Binder:
         try:
             with self._lock:
                 wr_id, self._next = self._next, self._next + 1
-                bind = MWBind(MWBindInfo(raw_mr, raw_mr.buf, raw_mr.length, access), e.IBV_SEND_SIGNALED, wr_id)
+                bind = _call("bind_mw (arguments)", lambda: MWBind(MWBindInfo(raw_mr, raw_mr.buf, raw_mr.length, access),
+                                                                   e.IBV_SEND_SIGNALED, wr_id))
                 _call("bind_mw", self.qp._qp.bind_mw, mw, bind)
                 try:
                     (wc,) = self.cq.wait_n(1, BIND_TIMEOUT_S)
@@ -92,10 +96,61 @@ class Binder:
                     raise EasyVerbsError(f"bind_mw: completion {wc.status.name} (vendor error {wc.vendor_err})")
         except BaseException:
             self.broken = True
+            self.close()  # (first: a bind still outstanding is flushed with its QP before its window goes)
             mw.close()
             raise
         return mw
 
     def close(self) -> None:
-        self.qp.close()
+        if self.qp is not None:
+            self.qp.close()
         self.cq.close()
+
+
+class WindowedMR:
+    """PyverbsMR's revoke_remote and rekey: through its window where registered revocable with windows on."""
+
+    _windowed = False
+    _mw: Any = None
+
+    def revoke_remote(self) -> bool:
+        with self._close_lock:  # type: ignore[attr-defined]  (a close waits for a revoke or rekey, and the reverse)
+            self._check_open()  # type: ignore[attr-defined]
+            if not self._windowed:
+                return False
+            self._drop_window()
+            return True
+
+    def rekey(self) -> int:
+        with self._close_lock:  # type: ignore[attr-defined]
+            self._check_open()  # type: ignore[attr-defined]
+            if not self._windowed:
+                return super().rekey()  # type: ignore[misc]
+            if self._mw is not None:
+                raise UsageError(f"pyverbs MR rkey {self.rkey:#x}: rekey needs its remote access revoked first "  # type: ignore[attr-defined]
+                                 f"(revoke_remote)")
+            pd, ctx = self.pd, self.pd.ctx  # type: ignore[attr-defined]
+            if not ctx.memory_windows:  # (turned off since this MR was registered: register anew)
+                raise EasyVerbsError(f"pyverbs: {ctx.name}: memory windows are off")
+            try:
+                self._mw = pd.bind_window(self._mr, remote_bits(int(self.access)))  # type: ignore[attr-defined]
+            except EasyVerbsError as exc:
+                if pd.closed:
+                    raise
+                # (pyverbs refusing the bind's arguments, a UsageError, is the device's or pyverbs' limit too:
+                # raised as a failed bind, which callers answer by registering anew)
+                ctx.memory_windows = False
+                log.warning("pyverbs: %s: a memory window could not be bound (%s): revocable MRs are registered "
+                            "anew at each grant from now on", ctx.name, exc)
+                raise EasyVerbsError(f"memory window not bound: {exc}") from exc
+            self.rkey = int(self._mw.rkey)
+            return self.rkey
+
+    def _drop_window(self) -> None:
+        """Deallocate the window: only once that succeeded is it forgotten (a window that stays bound keeps its
+        access, and the MR must not be deregistered under it)."""
+        from .pyverbs_provider import _call
+
+        if self._mw is not None:
+            _call("dealloc_mw", self._mw.close)
+            self._mw = None

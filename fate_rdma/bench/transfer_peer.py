@@ -163,6 +163,8 @@ def serve(host: str, port: int) -> int:
                            "refused": ep.refused if ep is not None else 0,
                            "budget_held_bytes": ep.budget.held_bytes if ep is not None else 0,
                            "pool_bytes": ep.pool_bytes() if ep is not None else 0,
+                           "windowed_slots": sum(p["windowed_slots"] for p in ep.pool_report()["peers"].values())
+                           if ep is not None else 0,
                            "peers": ep.peers() if ep is not None else [], "count": counter.n,
                            "holds": ep.holds if ep is not None else 0,
                            "longest_hold_s": ep.longest_hold_s if ep is not None else 0.0})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import mmap
 import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set
@@ -26,6 +27,7 @@ from .buffers import zero_fill
 from ..protocol.integrity import BLOCK_BYTES
 from .handshake import PoolOffer
 
+log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 #: what a peer may do to receive memory: write it, never read it (a released slot holds what the
 #: application last made of its payload, in place: the peer must not read that back)
@@ -178,7 +180,14 @@ class SlotMemory:
         (MR.rekey) where the provider kept it registered, else the slot is registered anew."""
         mr = self.mrs[slot]
         if mr is not None and slot in self._keyless:
-            rkey = mr.rekey()
+            try:
+                rkey = mr.rekey()
+            except ev.UsageError:
+                raise
+            except ev.EasyVerbsError as exc:  # (a window that cannot be bound: the provider logged it)
+                log.warning("fate-rdma: receive slot %d: a new key could not be given (%s): registered anew", slot, exc)
+                self._close(slot)
+                return self.resize(slot, self.capacity[slot])
             self._keyless.discard(slot)
             try:
                 self._track(slot, mr)
@@ -261,6 +270,8 @@ def pool_report(conns: Iterable[Any], budget: Any, recycled: Any = None) -> Dict
         pool, lent = rx.machine.pool, rx.lent_slots()
         # "lent": held by the application in place (Message.detach), "held": a message not yet released
         peers[c.peer] = {"reserved_bytes": slots.reserved_bytes, "resident_bytes": slots.resident_bytes(),
+                         # slots whose grants are memory windows (pyverbs, EASYPYVERBS_MEMORY_WINDOWS=on)
+                         "windowed_slots": sum(bool(getattr(m, "_windowed", False)) for m in slots.mrs),
                          "slots": [{"payload_bytes": pool.capacity[i], "state": "lent" if i in lent else pool.state[i].value}
                                    for i in range(pool.nslots)]}
     resident = [p["resident_bytes"] for p in peers.values()]

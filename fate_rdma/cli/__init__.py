@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "demo": ("fate_rdma.cli.demo", "the main job: GPT-2 LoRA FedAvg with FATE-LLM over fate-rdma, FATE's own path "
              "against fate-rdma, then a GPT-2-sized transfer, each verified"),
     "bench": ("fate_rdma.cli.bench", "benchmarks that print figures (JSON lines + table): verbs, transfer, latency, "
-              "fate, timeline"),
+              "fate, timeline, regrant"),
     "hook": ("fate_rdma.cli.hook", "install the start-up hook that switches fate-rdma on in FATE task processes"),
     "launch": ("fate_rdma.cli.launch", "run a FATE launcher script with fate-rdma switched on"),
     "flow": ("fate_rdma.cli.flow", "fate-flow jobs: once-per-site setup/remove/check of dag.conf.extra.fate_rdma"),

@@ -1,4 +1,4 @@
-"""`fate-rdma bench verbs|transfer|latency|fate|timeline`: figures (JSON lines plus a table), not pass/fail tests."""
+"""`fate-rdma bench verbs|transfer|latency|fate|timeline|regrant`: figures (JSON lines plus a table), not pass/fail tests."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ KINDS = {
     "latency": "fate_rdma.bench.latency",
     "fate": "fate_rdma.bench.fate_federation",
     "timeline": "fate_rdma.bench.timeline",
+    "regrant": "fate_rdma.bench.regrant",
 }
 
 
