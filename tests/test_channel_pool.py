@@ -80,6 +80,7 @@ def test_pyverbs_slots_grow_through_memory_windows_and_without(monkeypatch):
     """The test above on pyverbs, the peer's slots granted through memory windows (the default where the device
     has them: easypyverbs pyverbs_windows), then with EASYPYVERBS_MEMORY_WINDOWS=off (registered anew)."""
     require("pyverbs")
+    monkeypatch.delenv("EASYPYVERBS_MEMORY_WINDOWS", raising=False)
     with ev.open_device(provider="pyverbs") as ctx:
         has = bool(ctx.query().max_mw)
     test_payload_much_larger_than_the_initial_slot_grows_it("pyverbs", windows=2 if has else 0)

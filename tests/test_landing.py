@@ -250,6 +250,14 @@ def test_a_slot_whose_new_key_cannot_be_given_is_registered_anew(monkeypatch, ca
             assert "receive slot 0: a new key could not be given (bind_mw: completion MW_BIND_ERR" in caplog.text
             assert mr.closed and slots.mrs[0] is not mr and rkey == slots.mrs[0].rkey != old
             assert ctx.mr_by_rkey(rkey) is slots.mrs[0] and slots.landed[0] is not None
+
+            def misused(self):
+                raise ev.UsageError("PyverbsPD is closing")
+
+            slots.revoke(1)  # a usage error (a closing PD, a misuse) is not answered by registering anew
+            monkeypatch.setattr(SoftMR, "rekey", misused)
+            with pytest.raises(ev.UsageError, match="closing"):
+                slots.grant(1)
         finally:
             slots.close()
 

@@ -143,6 +143,7 @@ class PyverbsContext(Context):
 
         super().__init__(name)
         self.e = _enums()
+        windows = W.windows_setting()  # (a bad setting is refused before the device is opened)
         self._ctx = _call(f"open device {name}", d.Context, name=name)
         self.port_num = port_num
         self._port = _call("query_port", self._ctx.query_port, port_num)
@@ -155,7 +156,7 @@ class PyverbsContext(Context):
         #: `revoke_remote`/`rekey` take it back and give it again without registering anew (pyverbs_windows):
         #: where the device has windows unless EASYPYVERBS_MEMORY_WINDOWS=off, or set it. Turned off, with a
         #: warning, if a bind fails.
-        self.memory_windows = W.windows_wanted(bool(self._attr.max_mw))
+        self.memory_windows = windows and bool(self._attr.max_mw)
         log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d, max_msg_sz %d%s", name, port_num, self.gid_index,
                  self.gid, MTU_BYTES.get(self._port.active_mtu, 0), self._port.max_msg_sz,
                  f" [{soft_roce_label()}]" if self.soft_roce else "")
@@ -204,6 +205,12 @@ class PyverbsContext(Context):
     def max_msg_bytes(self) -> int:
         return int(self._port.max_msg_sz)
 
+    def close(self) -> None:
+        for child in list(self._children):  # (its CQs close before its PDs: the binders' first, under their locks)
+            if isinstance(child, PyverbsPD):
+                child.close_binder()
+        super().close()
+
     def _close_impl(self) -> None:
         self._ctx.close()
 
@@ -217,6 +224,7 @@ class PyverbsPD(PD):
         self._scratch: Any = None  # pyverbs MR (its own 64-byte buffer) for receives with no buffer
         self._binder: Any = None  # pyverbs_windows.Binder, made at the first window bind
         self._binder_lock = threading.Lock()
+        self.closing = False  # (close_binder: set before any of the PD's objects is closed)
 
     def scratch_sge(self) -> Any:
         """A zero-length SGE over a small registered buffer: the 'no SGE' receive pyverbs 44 cannot build."""
@@ -235,6 +243,8 @@ class PyverbsPD(PD):
 
         if view.nbytes == 0:
             raise UsageError("cannot register an empty buffer")
+        if self.closing:
+            raise UsageError("PyverbsPD is closing")
         ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
         windowed = revocable and bool(W.remote_bits(int(access))) and ctx.memory_windows
         bits = W.registration_access(int(access), ctx.e) if windowed else int(access)
@@ -245,15 +255,19 @@ class PyverbsPD(PD):
             try:
                 out._windowed = True
                 out.rekey()
-            except EasyVerbsError:  # (rekey turned windows off, saying so)
+            except BaseException as exc:
                 out.close()
-                return self._reg_mr(buffer, view, access, False)
+                if not isinstance(exc, EasyVerbsError) or ctx.memory_windows:
+                    raise  # (the PD closing, or not a failed bind)
+                return self._reg_mr(buffer, view, access, False)  # (rekey turned windows off, saying so)
         return out
 
     def bind_window(self, raw_mr: Any, access: int) -> Any:
         """A type 1 memory window over all of `raw_mr` with remote `access`, bound (pyverbs_windows.Binder)."""
         with self._binder_lock:
             self._check_open()
+            if self.closing:
+                raise UsageError("PyverbsPD is closing")
             if self._binder is not None and self._binder.broken:
                 self._binder.close()
                 self._binder = None
@@ -265,11 +279,20 @@ class PyverbsPD(PD):
     def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
         return PyverbsQP(self, send_cq, recv_cq, cap)
 
-    def _close_impl(self) -> None:
+    def close(self) -> None:
+        self.close_binder()
+        super().close()
+
+    def close_binder(self) -> None:
+        """Before the PD's objects go (a connection thread may be binding): no bind from now on, and the binder's QP
+        and CQ closed once a bind under way is done."""
         with self._binder_lock:
+            self.closing = True
             if self._binder is not None:
                 self._binder.close()
                 self._binder = None
+
+    def _close_impl(self) -> None:
         if self._scratch is not None:
             self._scratch.close()
         self._pd.close()

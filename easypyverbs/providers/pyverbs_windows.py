@@ -34,13 +34,17 @@ BIND_TIMEOUT_S = 5.0
 _REMOTE = int(Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC)
 
 
-def windows_wanted(device_has: bool) -> bool:
-    """PyverbsContext.memory_windows at open: where the device has windows, unless EASYPYVERBS_MEMORY_WINDOWS=off
-    (on: the default)."""
+def windows_setting() -> bool:
+    """EASYPYVERBS_MEMORY_WINDOWS: on (the default) or off; anything else is a usage error naming it."""
     how = os.environ.get("EASYPYVERBS_MEMORY_WINDOWS", "on").strip().lower() or "on"
     if how not in ("on", "off"):
         raise UsageError(f"EASYPYVERBS_MEMORY_WINDOWS={how!r}: expected on or off")
-    return how == "on" and device_has
+    return how == "on"
+
+
+def windows_wanted(device_has: bool) -> bool:
+    """PyverbsContext.memory_windows at open: where the device has windows, unless EASYPYVERBS_MEMORY_WINDOWS=off."""
+    return windows_setting() and device_has
 
 
 def registration_access(access: int, e: Any) -> int:
@@ -54,13 +58,14 @@ def remote_bits(access: int) -> int:
 
 class Binder:
     """One PD's private RC QP connected to itself, and its CQ, that binds type 1 windows (see the module). A bind
-    that fails leaves the QP in ERR: the PD drops the binder then (`broken`) and makes a new one when next asked."""
+    that fails leaves the QP in ERR: the binder closes itself then (`broken`) and the PD makes a new one when next
+    asked. Binds and the close are serialised by one lock, so a QP is never used while it is destroyed."""
 
     def __init__(self, pd: Any) -> None:
         from .pyverbs_provider import PyverbsCQ, PyverbsQP
         from ..types import QPCap
 
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._next = 1
         self.broken = False
         self.cq = PyverbsCQ(pd.ctx, 4)
@@ -80,31 +85,41 @@ class Binder:
 
         from .pyverbs_provider import _call
 
-        e = self.qp.e
-        mw = _call("alloc_mw (type 1)", MW, raw_pd, e.IBV_MW_TYPE_1)
-        try:
-            with self._lock:
+        with self._lock:
+            if self.broken or self.qp is None or self.qp.closed:
+                raise EasyVerbsError("bind_mw: the binder is closed")
+            e = self.qp.e
+            mw = _call("alloc_mw (type 1)", MW, raw_pd, e.IBV_MW_TYPE_1)
+            try:
                 wr_id, self._next = self._next, self._next + 1
                 bind = _call("bind_mw (arguments)", lambda: MWBind(MWBindInfo(raw_mr, raw_mr.buf, raw_mr.length, access),
                                                                    e.IBV_SEND_SIGNALED, wr_id))
                 _call("bind_mw", self.qp._qp.bind_mw, mw, bind)
-                try:
-                    (wc,) = self.cq.wait_n(1, BIND_TIMEOUT_S)
-                except PollTimeout as exc:
-                    raise EasyVerbsError(f"bind_mw: no completion within {BIND_TIMEOUT_S:g} s") from exc
-                if wc.status != WCStatus.SUCCESS:
-                    raise EasyVerbsError(f"bind_mw: completion {wc.status.name} (vendor error {wc.vendor_err})")
-        except BaseException:
-            self.broken = True
-            self.close()  # (first: a bind still outstanding is flushed with its QP before its window goes)
-            mw.close()
-            raise
+                self._wait(wr_id)
+            except BaseException:
+                self.broken = True
+                self.close()  # (first: a bind still outstanding is flushed with its QP before its window goes)
+                mw.close()
+                raise
         return mw
 
+    def _wait(self, wr_id: int) -> None:
+        """The completion of bind `wr_id`, within BIND_TIMEOUT_S (a failed one raises, naming its status)."""
+        try:
+            for wc in self.cq.wait_n(1, BIND_TIMEOUT_S):
+                if wc.wr_id != wr_id:  # (cannot happen: a binder whose bind failed is not used again)
+                    raise EasyVerbsError(f"bind_mw: completion of work request {wc.wr_id}, expected {wr_id}")
+                if wc.status != WCStatus.SUCCESS:
+                    raise EasyVerbsError(f"bind_mw: completion {wc.status.name} (vendor error {wc.vendor_err})")
+        except PollTimeout as exc:
+            raise EasyVerbsError(f"bind_mw: no completion within {BIND_TIMEOUT_S:g} s") from exc
+
     def close(self) -> None:
-        if self.qp is not None:
-            self.qp.close()
-        self.cq.close()
+        with self._lock:
+            self.broken = True
+            if self.qp is not None:
+                self.qp.close()
+            self.cq.close()
 
 
 class WindowedMR:
@@ -135,8 +150,8 @@ class WindowedMR:
             try:
                 self._mw = pd.bind_window(self._mr, remote_bits(int(self.access)))  # type: ignore[attr-defined]
             except EasyVerbsError as exc:
-                if pd.closed:
-                    raise
+                if pd.closed or pd.closing:  # (not the device's failure: no fallback, no warning)
+                    raise UsageError(f"pyverbs MR: no new key, its PD is closing ({exc})") from exc
                 # (pyverbs refusing the bind's arguments, a UsageError, is the device's or pyverbs' limit too:
                 # raised as a failed bind, which callers answer by registering anew)
                 ctx.memory_windows = False

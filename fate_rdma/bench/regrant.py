@@ -59,11 +59,19 @@ def measure(prov: str, sizes: List[int], reps: int) -> List[Dict[str, Any]]:
 
             got = {"register": _timed(register, reps)}
             mr[0].close()
-            kept = pd.reg_mr(buf, ACCESS, revocable=True)
-            if kept.revoke_remote():
-                kept.rekey()
-                got["rekey"] = _timed(lambda: (kept.revoke_remote(), kept.rekey()), reps)
-            kept.close()
+            kept, why = pd.reg_mr(buf, ACCESS, revocable=True), ""
+            try:
+                if kept.revoke_remote():
+                    kept.rekey()
+                    got["rekey"] = _timed(lambda: (kept.revoke_remote(), kept.rekey()), reps)
+                else:
+                    why = ("this MR cannot take a new key (pyverbs memory windows off: none on the device, "
+                           "EASYPYVERBS_MEMORY_WINDOWS=off, or a bind that failed, logged): it is registered anew at "
+                           "each grant")
+            except ev.EasyVerbsError as exc:
+                why = f"a new key failed: {exc}"
+            finally:
+                kept.close()
             for way, times in got.items():
                 row = dict(base, way=way, slot_bytes=size, median_ms=round(statistics.median(times) * 1e3, 4),
                            min_ms=round(min(times) * 1e3, 4), max_ms=round(max(times) * 1e3, 4), reps=len(times),
@@ -74,8 +82,7 @@ def measure(prov: str, sizes: List[int], reps: int) -> List[Dict[str, Any]]:
                 ratio = statistics.median(got["register"]) / statistics.median(got["rekey"])
                 row = dict(base, way="ratio", slot_bytes=size, register_over_rekey=round(ratio, 2))
             else:
-                row = dict(base, way="rekey", slot_bytes=size, skipped="this MR cannot take a new key (pyverbs: no "
-                           "memory windows, or EASYPYVERBS_MEMORY_WINDOWS=off): it is registered anew at each grant")
+                row = dict(base, way="rekey", slot_bytes=size, skipped=why)
             rows.append(row)
             emit(row)
     return rows
