@@ -68,10 +68,9 @@ def render(rep: Dict[str, Any]) -> str:
                 continue
             lines.append(f"  device      {d['name']} (max MR {d['max_mr_bytes']} B, max QP WR {d['max_qp_wr']}, "
                          f"memory windows {d['max_mw'] or 'none'}): {d['label']}")
-            lines.append(f"    revocable MRs (FedRDMA-E slot grants): {d['revocable_grants']} at each grant"
-                         + (" (EASYPYVERBS_MEMORY_WINDOWS=off: registered anew instead)"
-                            if d["revocable_grants"] == "memory window" else
-                            " (EASYPYVERBS_MEMORY_WINDOWS=off)" if d["max_mw"] else " (the device has no memory windows)"))
+            why = ("EASYPYVERBS_MEMORY_WINDOWS=off: registered anew instead" if d["revocable_grants"] == "memory window"
+                   else "EASYPYVERBS_MEMORY_WINDOWS=off" if d["max_mw"] else "the device has no memory windows")
+            lines.append(f"    revocable MRs (FedRDMA-E slot grants): {d['revocable_grants']} at each grant ({why})")
             for port in d["ports"]:
                 lines.append(f"    port {port['port']}   {port['state']}, {port['link_layer']}, MTU {port['mtu']}, "
                              f"max_msg_sz {port['max_msg_bytes']}, LID {port['lid']}")

@@ -143,7 +143,7 @@ class PyverbsContext(Context):
 
         super().__init__(name)
         self.e = _enums()
-        windows = W.windows_setting()  # (a bad setting is refused before the device is opened)
+        W.windows_setting()  # (a bad EASYPYVERBS_MEMORY_WINDOWS is refused before the device is opened)
         self._ctx = _call(f"open device {name}", d.Context, name=name)
         self.port_num = port_num
         self._port = _call("query_port", self._ctx.query_port, port_num)
@@ -156,7 +156,7 @@ class PyverbsContext(Context):
         #: `revoke_remote`/`rekey` take it back and give it again without registering anew (pyverbs_windows):
         #: where the device has windows unless EASYPYVERBS_MEMORY_WINDOWS=off, or set it. Turned off, with a
         #: warning, if a bind fails.
-        self.memory_windows = windows and bool(self._attr.max_mw)
+        self.memory_windows = W.windows_wanted(bool(self._attr.max_mw))
         log.info("pyverbs: %s port %d, GID[%d]=%s, active MTU %d, max_msg_sz %d%s", name, port_num, self.gid_index,
                  self.gid, MTU_BYTES.get(self._port.active_mtu, 0), self._port.max_msg_sz,
                  f" [{soft_roce_label()}]" if self.soft_roce else "")
