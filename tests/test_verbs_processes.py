@@ -52,9 +52,10 @@ def test_peer_killed_mid_transfer_errors_within_deadline():
             peer.conn.close()
 
 
-def test_bench_verbs_lines_are_labelled():
+@pytest.mark.parametrize("soft_path", ["auto", "tcp"])
+def test_bench_verbs_lines_are_labelled(soft_path):
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "verbs", "--sizes", "64K,4M", "--reps", "1",
-                          "--max-bytes", "8000000"], capture_output=True, text=True, timeout=120)
+                          "--max-bytes", "8000000", "--soft-path", soft_path], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     methods = {r["method"] for r in rows}
@@ -63,7 +64,13 @@ def test_bench_verbs_lines_are_labelled():
         assert {"method", "provider", "emulated", "msg_bytes"} <= set(r)
         if r["method"] == "write":
             assert r["provider"] == "soft" and r["emulated"] is True and r["gbps"] > 0
-    assert "target: soft (emulated, not RDMA)" in out.stdout
+    paths = {r["path"] for r in rows if r["method"] == "ratio"}
+    assert len(paths) == 1
+    if soft_path == "tcp":
+        assert paths == {"tcp"} and "target: soft (emulated, not RDMA, path tcp)" in out.stdout
+    else:  # shared memory against loopback TCP: shown, never called met or not met
+        assert paths != {"tcp"} and "not judged on the same-host" in out.stdout
+        assert "(met)" not in out.stdout and "NOT met" not in out.stdout
 
 
 def test_bench_transfer_pairs_each_channel_transfer_with_a_raw_tcp_one():

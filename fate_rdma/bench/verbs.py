@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
     print()
     for r in rows:
         if r["method"] == "ratio" and r["msg_bytes"] in SMALL:
-            emu = ", emulated verbs over TCP" if r["emulated"] else ""
+            emu = ", emulated verbs" if r["emulated"] else ""
             print(f"small messages: {r['provider']} ({r['path']}{emu}) WRITE of {human_bytes(r['msg_bytes'])}, window "
                   f"{args.window}: {r['write_msgs_per_s']:,} messages/s; raw TCP (one sendall each) "
                   f"{r['raw_tcp_msgs_per_s']:,} messages/s; ratio {r['write_over_raw_tcp']:.2f}")
@@ -154,6 +154,12 @@ def _run(args: argparse.Namespace) -> int:
             verdict = "met" if r["write_over_raw_tcp"] >= 0.8 else "NOT met"
             # Soft-RoCE (rxe) is real verbs but not RDMA hardware: its label says so
             kind = "emulated, not RDMA" if r["emulated"] else ("real RDMA" if r["label"].startswith("pyverbs") else r["label"])
-            print(f"target: {r['provider']} ({kind}) WRITE of 4 MiB messages >= 0.8 x raw TCP in the same run: "
-                  f"ratio {r['write_over_raw_tcp']:.2f} ({verdict})")
+            if r["emulated"] and r["path"] != "tcp":
+                # shared memory against loopback TCP: not the between-sites figure the target is about
+                print(f"target: {r['provider']} ({kind}) WRITE of 4 MiB messages >= 0.8 x raw TCP: not judged on the "
+                      f"{r['path']} path ({r['write_over_raw_tcp']:.2f} x raw loopback TCP); `--soft-path tcp` measures "
+                      f"it as between hosts")
+                continue
+            print(f"target: {r['provider']} ({kind}, path {r['path']}) WRITE of 4 MiB messages >= 0.8 x raw TCP in the "
+                  f"same run: ratio {r['write_over_raw_tcp']:.2f} ({verdict})")
     return 0
