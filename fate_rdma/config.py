@@ -14,6 +14,11 @@ MiB = 1 << 20
 MODES = ("fedrdma", "fedrdma-e")
 
 
+def is_loopback_host(host: str) -> bool:
+    """Is `host` (a name or address as written in a configuration) this machine's loopback?"""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _tls_files_problem(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[str]:
     """What is wrong with tls: true's files (None: nothing). Reads permissions only, never the key."""
     import os

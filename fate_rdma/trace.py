@@ -10,7 +10,8 @@ The events, by where they happen (`tid`: the channel's transfer id, which both e
 process, so a timeline joins a sender's events and a receiver's on (party, tid)):
   wrapper, sender:   put (FATE's put began: name, tag, bytes), put_sent (the channel took it: tid, dst, name, tag)
   channel, sender:   c_send (the caller's send began: tid, bytes, peer; written once the channel queued it, with
-                     the time the call began), c_start (the connection's active transfer: a slot granted),
+                     the time the call began), c_start (the connection's active transfer: a slot granted; mode,
+                     provider, emulated, path),
                      c_first (its first chunk posted: the first byte on the wire), c_done (the receiver's verdict
                      arrived)
   channel, receiver: c_arrived (every byte placed: FedRDMA-E's header landed, FedRDMA's last chunk), c_verified

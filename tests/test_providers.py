@@ -68,6 +68,26 @@ def test_doctor_json():
     assert "deferred answers" in off.stdout and "ms): off" in off.stdout, off.stdout[-2000:]
 
 
+def test_doctor_reads_the_channel_settings_of_each_kind_of_conf_and_refuses_a_file_without(tmp_path):
+    from fate_rdma.cli.doctor import channel_config
+    from fate_rdma.errors import ConfigError
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = tmp_path / "job.yaml"  # a fate-flow job conf: the section under dag.conf.extra, no endpoints
+    job.write_text("dag:\n  conf:\n    extra:\n      fate_rdma: {mode: fedrdma-e, slot_bytes: 8388608, enabled: true}\n")
+    assert channel_config(str(job)).slot_bytes == 8 << 20
+    assert channel_config(os.path.join(root, "conf", "channel.yaml")).mode == "fedrdma-e"
+    assert channel_config(os.path.join(root, "conf", "fate_rdma_launcher.yaml")).too_large == "fedrdma"
+    other = tmp_path / "other.yaml"
+    other.write_text("something: else\n")
+    for path, said in ((other, "no `channel:` section"), (tmp_path / "missing.yaml", "no such file")):
+        with pytest.raises(ConfigError, match=said):
+            channel_config(str(path))
+    out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "doctor", "--config", str(other)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("fate-rdma doctor: --config ") and "Traceback" not in out.stderr
+
+
 def test_cli_help_and_usage_errors():
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "doctor" in out.stdout and "bench" in out.stdout

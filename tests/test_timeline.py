@@ -42,10 +42,14 @@ def test_a_transfer_leaves_every_step_in_order(traced, mode):
         msg = rx.recv(timeout=20)
         assert msg.transfer_id == tid
         msg.release()
-    t = {}
+    t, start = {}, None
     for e in timeline.load(str(traced)):
         if e.get("tid") == tid:
             t.setdefault(e["ev"], e["t"])
+            start = e if e["ev"] == "c_start" else start
+    # what the transfer went over, for the timeline's rows: the soft provider over TCP, said to be emulated
+    assert start["mode"] == mode and start["emulated"] is True and start["path"].startswith("tcp")
+    assert start["provider"] == "soft (emulated verbs over TCP)"
     steps = ["c_send", "c_start", "c_first", "c_arrived", "c_verified", "c_deliver"]
     assert [k for k in steps if k not in t] == [] and "c_done" in t
     assert [t[k] for k in steps] == sorted(t[k] for k in steps), t
@@ -91,7 +95,10 @@ def test_the_timeline_splits_a_transfer_into_its_steps(tmp_path):
     assert {k: round(rec[k], 6) for k in WANT} == WANT
     assert (rec["src"], rec["dst"], rec["bytes"]) == (G, A, 100)
     (row,) = timeline.summarize([rec, dict(rec, bytes=10)], min_bytes=50)
-    assert row["transfers"] == 1 and row["wire"] == 0.8
+    assert row["transfers"] == 1 and row["wire"] == 0.8 and row["path"] is None  # (no c_start in this trace)
+    shm = dict(rec, path="same-host", emulated=True, wire=0.1)
+    rows = timeline.summarize([dict(rec, path="tcp", emulated=True), shm, shm])  # two paths: never one median
+    assert sorted((r["path"], r["transfers"], r["wire"]) for r in rows) == [("same-host", 2, 0.1), ("tcp", 1, 0.8)]
 
 
 def test_the_wire_step_says_how_long_each_end_was_held(tmp_path):

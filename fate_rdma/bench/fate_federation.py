@@ -57,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of LoRA ranks: GPT-2 LoRA (c_attn) payloads instead of full weights, one "
                         "pair of jobs per rank (the FedRDMA paper's Table 3), e.g. 4,8,16,32,64,128,256,512,1024")
     p.add_argument("--mode", default="fedrdma", choices=["fedrdma", "fedrdma-e"],
-                   help="channel mode (default fedrdma, as the README's figures and the demo; fedrdma-e's slots "
-                        "grow to the payload: ~2 GB per client at the arbiter at full size)")
+                   help="channel mode (default fedrdma, as the demo's part 2; the README's figures use fedrdma-e, the "
+                        "channel's default, whose slots grow to the payload: ~2 GB per client at the arbiter at full size)")
     p.add_argument("--methods", default="fate,fate-rdma", help="comma list of fate, fate-rdma")
     p.add_argument("--provider", default="auto", help="verbs provider for fate-rdma (auto, soft, pyverbs)")
     p.add_argument("--path", default="tcp", choices=["tcp", "same-host", "both"],
@@ -77,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "loopback, so compare fate-rdma's rows with each other, not with FATE's)")
     p.add_argument("--buffer-puts", default="auto", choices=["auto", "true", "false"],
                    help="fate-rdma's buffer_puts (default auto, as in a job conf: a put is copied and returns at once "
-                        "only where its copy costs less than the round trip to its parties, which on this machine's "
-                        "loopback is never; true: every put is copied, the default before 2026-11-27; false: none)")
+                        "where it is at most 16 MiB or costs less than the round trip to its parties (on this machine's "
+                        "loopback: puts of at most 16 MiB); true: every put is copied, the default before 2026-11-27; false: none)")
     p.add_argument("--timeout", type=int, default=3000, help="seconds allowed for each job (default 3000)")
     p.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
                    help="auto (default, as `fate-rdma launch`): every job's processes, FATE's own included, and the "

@@ -34,6 +34,8 @@ from .report import emit, human_bytes, median, table
 RECEIVER_EVENTS = frozenset({"c_arrived", "c_verified", "c_deliver", "stored"})
 STEPS = ("put_to_wire", "wire", "verify", "to_store", "get_to_store", "to_got", "verdict")
 HELD = ("wire_held_tx", "wire_held_rx")
+#: what each transfer went over, from its sender's c_start (traces written before 2026-12 lack them: None)
+WHERE = ("mode", "provider", "emulated", "path")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,7 +128,9 @@ def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
         def span(a: Optional[float], b: Optional[float]) -> Optional[float]:
             return None if a is None or b is None else b - a
+        start = snd.get("c_start") or {}
         out.append({"tid": st["tid"], "src": src, "dst": dst, "name": name, "tag": tag,
+                    **{k: start.get(k) for k in WHERE},
                     "bytes": (rcv.get("c_deliver") or snd.get("c_send") or {}).get("bytes"),
                     "put_to_wire": span(put["t"] if put else None, at(snd, "c_first")),
                     "wire": span(at(snd, "c_first"), at(rcv, "c_arrived")),
@@ -142,15 +146,15 @@ def transfers(events: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def summarize(recs: List[Dict[str, Any]], min_bytes: int = 0) -> List[Dict[str, Any]]:
     """Medians of the STEPS per (sender, receiver, object name), largest transfers first."""
-    groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = defaultdict(list)
-    for r in recs:
+    groups: Dict[Tuple[Any, ...], List[Dict[str, Any]]] = defaultdict(list)
+    for r in recs:  # (transfers over different providers or paths never share a median)
         if (r["bytes"] or 0) >= min_bytes:
-            groups[(r["src"], r["dst"], r["name"])].append(r)
+            groups[(r["src"], r["dst"], r["name"], *(r.get(k) for k in WHERE))].append(r)
     rows = []
-    for (src, dst, name), rs in groups.items():
+    for (src, dst, name, *where), rs in groups.items():
         sizes = [r["bytes"] for r in rs if r["bytes"] is not None]
-        row: Dict[str, Any] = {"bench": "timeline", "src": src, "dst": dst, "name": name, "transfers": len(rs),
-                               "bytes": int(median(sizes)) if sizes else None}
+        row: Dict[str, Any] = {"bench": "timeline", "src": src, "dst": dst, "name": name, **dict(zip(WHERE, where)),
+                               "transfers": len(rs), "bytes": int(median(sizes)) if sizes else None}
         for k in STEPS + HELD:
             xs = [r[k] for r in rs if r[k] is not None]
             row[k] = round(median(xs), 4) if xs else None
@@ -171,7 +175,9 @@ def print_report(folder: str, min_bytes: int = 0, title: str = "") -> List[Dict[
           f"the sending/receiving process held, its threads not running)")
     shown = [dict(r, size="-" if r["bytes"] is None else human_bytes(r["bytes"]),
                   **{k: "-" if r[k] is None else f"{r[k]:.4f}" for k in STEPS + HELD}) for r in rows]
-    table(shown, ["src", "dst", "name", "transfers", "size", *STEPS, *HELD])
+    table(shown, ["src", "dst", "name", "mode", "provider", "path", "transfers", "size", *STEPS, *HELD])
+    if any(r["emulated"] for r in rows):
+        print("the soft provider is an emulation of verbs (over TCP, or shared memory on the same-host path), not RDMA")
     return rows
 
 

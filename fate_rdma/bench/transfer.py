@@ -82,7 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="256 MiB payload, 3 repetitions (a median of three, as every verdict; about three minutes)")
     p.add_argument("--payload-mib", type=int, default=None, help="payload size in MiB (default 1024, quick 256)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 3, quick too)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma list of {', '.join(SCENARIOS)} (default all). loopback: two processes of this host, the "
+                        f"soft provider on its same-host path (shared memory, not a network); loopback-tcp: the same "
+                        f"over loopback TCP, as between hosts; link-*: the soft provider's link model (rate, RTT)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list of methods (default all; mooncake and mooncake_batch need the mooncake extra: "
                         "pip install 'fate-rdma[mooncake]', and say so where it is missing)")

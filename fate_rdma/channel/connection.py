@@ -133,6 +133,9 @@ class Connection(Turns):
         self.staged_receiver = StagedReceiver(self) if staging else None
         self.label = ctx.label
         self.emulated = ctx.emulated
+        #: what the trace says a transfer of this connection went over (`bench timeline` names it on every row)
+        self.where = {"provider": ctx.label, "emulated": ctx.emulated,
+                      "path": str(getattr(self.rcs[0].qp, "data_path", "verbs")) if self.rcs else "verbs"}
 
     @property
     def pool_bytes(self) -> int:
@@ -275,7 +278,7 @@ class Connection(Turns):
         machine = engine.machine(o, w, common)  # type: ignore[union-attr]
         if machine is None:
             return False
-        o.begin(machine, mode)
+        o.begin(machine, mode, self.where)
         o.fut.mode, o.fut.window, o.fut.chunks = mode.value, machine.window, len(machine.chunks)
         self._active = o
         return True

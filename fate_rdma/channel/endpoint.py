@@ -13,7 +13,7 @@ import easypyverbs as ev
 from easypyverbs import stalls
 
 from .. import trace
-from ..config import ChannelConfig
+from ..config import ChannelConfig, is_loopback_host as _loopback
 from ..errors import AuthenticationError, ConfigError, PeerUnreachable, TransferTimeout
 from .auth import authenticate, load_secret
 from .buffers import Budget, RecvBuffers
@@ -24,10 +24,6 @@ from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _hold_reporter(ref: "weakref.ReferenceType[Endpoint]") -> Callable[[float, float], None]:

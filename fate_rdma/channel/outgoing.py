@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from .. import trace
 from ..protocol.integrity import Integrity
@@ -50,10 +50,11 @@ class Outgoing:
         #: FedRDMA-E: the first checksum block the last PLACED note covered (the receiver checksums from there on)
         self.noted: Optional[int] = None
 
-    def begin(self, machine: Any, mode: Mode) -> None:
-        """It becomes its connection's active transfer (a receive slot granted, where FedRDMA-E needs one)."""
+    def begin(self, machine: Any, mode: Mode, where: Dict[str, Any]) -> None:
+        """It becomes its connection's active transfer (a receive slot granted, where FedRDMA-E needs one);
+        `where`: the connection's provider, whether it is emulated, and its data path (for the trace)."""
         self.machine, self.mode, self.started = machine, mode, time.monotonic()  # (not the held clock: for the result)
-        trace.event("c_start", tid=self.fut.transfer_id, mode=mode.value)
+        trace.event("c_start", tid=self.fut.transfer_id, mode=mode.value, **where)
 
     def finished(self) -> float:
         """Its verdict arrived: seconds since it began."""

@@ -18,7 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, mod in KINDS.items():
         m = importlib.import_module(mod)
-        sp = sub.add_parser(name, help=m.__doc__.strip().splitlines()[0], description=m.__doc__)
+        # the help line: the docstring's first sentence (it may run over several lines)
+        first = " ".join(m.__doc__.strip().split("\n\n")[0].split()).split(". ")[0].rstrip(".") + "."
+        sp = sub.add_parser(name, help=first, description=m.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         m.add_arguments(sp)
 
 

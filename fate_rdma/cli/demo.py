@@ -29,11 +29,13 @@ GPT2_PARAMS = 124_439_808  # GPT-2 small, 148 tensors
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", default="auto", choices=["auto", "soft", "pyverbs"], help="verbs provider (default auto)")
     p.add_argument("--params", type=int, default=GPT2_PARAMS, help="float32 parameters to move (default GPT-2 small)")
-    p.add_argument("--msg-mib", type=int, default=64, help="size of one WRITE in MiB for the verbs part (capped by max_msg_sz)")
-    p.add_argument("--window", type=int, default=8, help="WRITEs in flight for the verbs part")
+    p.add_argument("--msg-mib", type=int, default=64, help="size of one WRITE in MiB for the verbs part (default 64, capped by max_msg_sz)")
+    p.add_argument("--window", type=int, default=8, help="WRITEs in flight for the verbs part (default 8)")
     p.add_argument("--link", default=None, help="soft provider link model, e.g. rate=10gbit,rtt=20ms")
     p.add_argument("--skip-channel", action="store_true", help="in part 3, only the verbs part")
-    p.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3)")
+    p.add_argument("--parts", default="1,2,3", help="which parts to run (default 1,2,3): 1 GPT-2 LoRA FedAvg with FATE-LLM over "
+                   "fate-rdma; 2 GPT-2 full fine-tune FedAvg payloads, FATE's path against fate-rdma; 3 the transport "
+                   "alone (verbs WRITEs, the channel's modes against a gRPC stream)")
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank of part 1 (default 8)")
     p.add_argument("--rounds", type=int, default=2, help="FedAvg rounds of part 1 (default 2)")
     p.add_argument("--model", default="gpt2", choices=["gpt2", "tiny"], help="part 1's model (default gpt2, 124M)")

@@ -5,13 +5,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ChannelConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--config", metavar="YAML", default=None,
-                   help="a channel configuration (a file with a `channel:` section, e.g. conf/channel.yaml): "
-                        "say what its receive pools hold (default: the built-in defaults)")
+                   help="a channel configuration: a file with a `channel:` section (conf/channel.yaml) or a "
+                        "`fate_rdma:` one (a launcher conf, a task or fate-flow job conf): say what its receive "
+                        "pools hold (default: the built-in defaults)")
+
+
+def channel_config(path: str) -> "ChannelConfig":
+    """The channel settings of `path`: its `channel:` section, else its `fate_rdma` section (launcher, task or
+    fate-flow job conf). ConfigError where it has neither, or names no readable file."""
+    import os
+
+    import yaml
+
+    from ..config import ChannelConfig
+    from ..errors import ConfigError
+    from ..federation.config import FED_KEYS, load_section
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such file")
+    section = load_section(path)  # (an unreadable file: its ConfigError)
+    if section is None:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+        if isinstance(doc, dict) and isinstance(doc.get("channel"), dict):
+            return ChannelConfig.from_dict(doc["channel"])
+        raise ConfigError(f"{path}: no `channel:` section (conf/channel.yaml) and no `fate_rdma` section "
+                          f"(a launcher, task or fate-flow job conf): nothing to read the channel's settings from")
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: the fate_rdma section must be a mapping")
+    return ChannelConfig.from_dict({k: v for k, v in section.items() if k not in FED_KEYS})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,9 +51,14 @@ def run(args: argparse.Namespace) -> int:
 
     from ..channel.slots import describe, pool_policy
     from ..config import ChannelConfig
+    from ..errors import ConfigError
 
+    try:
+        cfg = channel_config(args.config) if args.config else ChannelConfig()
+    except ConfigError as exc:
+        print(f"fate-rdma doctor: --config {exc}", file=sys.stderr)
+        return 2
     rep = report()
-    cfg = ChannelConfig.from_yaml(args.config) if args.config else ChannelConfig()
     rep["receive_memory"] = pool_policy(cfg)
     lines = describe(rep["receive_memory"])
     if not args.config:

@@ -1,4 +1,5 @@
-"""`fate-rdma eval link|stress|fairness|fate|cost`: issue 14's evaluation, each run a folder of evidence.
+"""`fate-rdma eval link|stress|fairness|fate|cost`: fate-rdma against TCP and FATE on a WAN testbed of real
+packets (network namespaces, shaped links), each run a folder of evidence.
 
 link, stress, fairness and fate build a WAN testbed of their own (`fate-rdma wan`; root; prefix freval by
 default: give another with --prefix when a second testbed may exist) and remove it at the end, also

@@ -98,6 +98,11 @@ def _check_site(site: Dict[str, Any], path: str) -> List[str]:
         cfg = RdmaFederationConfig.from_section({k: v for k, v in site.items() if k != "flow_address"})
     except (ConfigError, TypeError, ValueError) as exc:
         return [f"{path}: {exc}"]
+    off = cfg.hosts_off_loopback()
+    if off and not cfg.proven_senders:  # else every task would fail as its endpoint starts
+        return [f"{path}: endpoints on {', '.join(off)} (not loopback) and no authentication: an endpoint listens off "
+                f"loopback only with the federation's shared secret or TLS; give --secret-file FILE (the same file at "
+                f"every site, `fate-rdma secret FILE` makes one) or --tls with --tls-cert/--tls-key/--tls-ca"]
     if cfg.channel.tls:  # the certificate must name one of the parties (this site's own)
         from ..channel.tls import certificate_names
 

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     conf, secret_dir = os.path.abspath(args.conf), None
     if cfg.channel.secret_file is None and cfg.channel.auth != "none" and not cfg.channel.tls:
-        if not all(_loopback(a.rpartition(":")[0]) for a in cfg.endpoints.values()):
+        if cfg.hosts_off_loopback():
             print("fate-rdma launch: parties on other hosts need the federation's shared secret: set secret_file "
                   "in the fate_rdma section (the same secret at every site; `fate-rdma secret FILE` makes one)",
                   file=sys.stderr)
@@ -104,10 +104,6 @@ def run(args: argparse.Namespace) -> int:
         if secret_dir is not None:
             shutil.rmtree(secret_dir, ignore_errors=True)
     return 0
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _with_job_secret(section: Dict[str, Any]) -> Tuple[str, str]:

@@ -32,9 +32,9 @@ import dataclasses
 import json
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from ..config import ChannelConfig
+from ..config import ChannelConfig, is_loopback_host
 from ..errors import ConfigError
 
 FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_timeout_s", "put_buffer_bytes", "endpoints",
@@ -130,6 +130,12 @@ class RdmaFederationConfig:
     def proven_senders(self) -> bool:
         """Does every connection prove its party (a shared secret or TLS certificates)?"""
         return bool(self.channel.secret_file or self.channel.tls)
+
+    def hosts_off_loopback(self) -> List[str]:
+        """The hosts of the endpoints (and listen_host) that are not this machine's loopback: an endpoint
+        listens there only with the federation's secret or TLS (the channel refuses to start otherwise)."""
+        hosts = [str(a).rpartition(":")[0] for a in self.endpoints.values()] + [self.listen_host or "127.0.0.1"]
+        return sorted({h for h in hosts if not is_loopback_host(h)})
 
     @property
     def descriptors_in_use(self) -> str:
