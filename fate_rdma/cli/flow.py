@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="Install the start-up hook into fate-flow's Python and write/check the site file.")
     s.add_argument("--endpoint", action="append", default=[], metavar="ROLE:PARTY_ID=HOST:PORT",
                    help="a party's fate-rdma endpoint; repeat for every party of the jobs (this site's and its peers')")
-    s.add_argument("--listen-host", help="interface this site's endpoints bind (e.g. 0.0.0.0)")
+    s.add_argument("--listen-host", help="interface this site's endpoints bind (e.g. 0.0.0.0; default: the host "
+                                         "of each party's --endpoint)")
     s.add_argument("--provider", choices=["auto", "soft", "pyverbs"], help="verbs provider (default auto)")
     s.add_argument("--device", help="RDMA device name (pyverbs), e.g. mlx5_0")
     s.add_argument("--flow-address", help="host:port of this site's fate-flow API (only where tasks cannot tell)")

@@ -7,7 +7,11 @@ import os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["install", "uninstall", "status"], help="what to do with the hook")
+    p.add_argument("action", choices=["install", "uninstall", "status"],
+                   help="install: write fate_rdma_hook.pth into the site-packages of the Python that runs this "
+                        "command (status shows the path; inert until a fate_rdma configuration is present); "
+                        "uninstall: remove it (`fate-rdma flow remove` does too); status: is it there, and "
+                        "FATE_RDMA_CONF")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--out", default=None, metavar="DIR", help="copy what CMD wrote under $FATE_RDMA_VM_OUT to DIR "
                    "(the guest's other writes vanish at power-off)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments, after '--'")
-    sub.add_parser("prepare", help="download the kernel and build the initramfs now (deploy/rdma-vm/prepare.sh)")
-    sub.add_parser("status", help="say whether the VM can run here, and where its files are cached")
+    h = "download the kernel and build the initramfs now (deploy/rdma-vm/prepare.sh; `run` does it when needed)"
+    sub.add_parser("prepare", help=h, description=h)
+    h = "say whether the VM can run here (qemu and what it needs on this host), and where its files are cached"
+    sub.add_parser("status", help=h, description=h + "; exit 0 when it can run, 1 when not")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -59,11 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _common(s)
     c = sub.add_parser("check", help="send bytes a -> b through fate-rdma and plain TCP; verify crc32c",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    c.add_argument("--bytes", type=int, default=8 << 20, help="payload size")
-    c.add_argument("--src", default="a", choices=list("abc"))
-    c.add_argument("--dst", default="b", choices=list("abc"))
-    c.add_argument("--mode", default="fedrdma-e", choices=["fedrdma", "fedrdma-e"])
-    c.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    c.add_argument("--bytes", type=int, default=8 << 20, help="payload size in bytes (default 8 MiB)")
+    c.add_argument("--src", default="a", choices=list("abc"), help="sending site (default a)")
+    c.add_argument("--dst", default="b", choices=list("abc"), help="receiving site (default b)")
+    c.add_argument("--mode", default="fedrdma-e", choices=["fedrdma", "fedrdma-e"], help="channel mode (default fedrdma-e)")
+    c.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                   help="chunk size of the check's transfers (default 1 MiB, smaller than the channel's 4 MiB "
+                        "default: more chunks on a slow testbed link)")
     c.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each transfer")
     _common(c)
 
