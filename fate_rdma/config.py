@@ -15,8 +15,16 @@ MODES = ("fedrdma", "fedrdma-e")
 
 
 def is_loopback_host(host: str) -> bool:
-    """Is `host` (a name or address as written in a configuration) this machine's loopback?"""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Is `host` (a name or address as written in a configuration) this machine's loopback? "localhost" or a
+    loopback address (127.0.0.0/8, ::1, [::1]); any other name is not, whatever it starts with."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _tls_files_problem(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[str]:

@@ -76,11 +76,15 @@ def test_doctor_reads_the_channel_settings_of_each_kind_of_conf_and_refuses_a_fi
     job = tmp_path / "job.yaml"  # a fate-flow job conf: the section under dag.conf.extra, no endpoints
     job.write_text("dag:\n  conf:\n    extra:\n      fate_rdma: {mode: fedrdma-e, slot_bytes: 8388608, enabled: true}\n")
     assert channel_config(str(job)).slot_bytes == 8 << 20
-    assert channel_config(os.path.join(root, "conf", "channel.yaml")).mode == "fedrdma-e"
-    assert channel_config(os.path.join(root, "conf", "fate_rdma_launcher.yaml")).too_large == "fedrdma"
+    assert channel_config(os.path.join(root, "conf", "fate_rdma_launcher.yaml")).too_large == "fedrdma"  # (not the default)
+    both = tmp_path / "both.yaml"  # a channel: section wins over a fate_rdma one
+    both.write_text("channel: {mode: fedrdma, pool_slots: 3}\nfate_rdma: {mode: fedrdma-e, pool_slots: 5}\n")
+    assert (channel_config(str(both)).mode, channel_config(str(both)).pool_slots) == ("fedrdma", 3)
     other = tmp_path / "other.yaml"
     other.write_text("something: else\n")
-    for path, said in ((other, "no `channel:` section"), (tmp_path / "missing.yaml", "no such file")):
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("channel: {chunk_bytes: 4M}\n")
+    for path, said in ((other, "no `channel:` section"), (tmp_path / "missing.yaml", "no such file"), (wrong, "wrong.yaml")):
         with pytest.raises(ConfigError, match=said):
             channel_config(str(path))
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "doctor", "--config", str(other)], capture_output=True,

@@ -49,7 +49,7 @@ def test_a_transfer_leaves_every_step_in_order(traced, mode):
             start = e if e["ev"] == "c_start" else start
     # what the transfer went over, for the timeline's rows: the soft provider over TCP, said to be emulated
     assert start["mode"] == mode and start["emulated"] is True and start["path"].startswith("tcp")
-    assert start["provider"] == "soft (emulated verbs over TCP)"
+    assert start["provider"] == "soft"
     steps = ["c_send", "c_start", "c_first", "c_arrived", "c_verified", "c_deliver"]
     assert [k for k in steps if k not in t] == [] and "c_done" in t
     assert [t[k] for k in steps] == sorted(t[k] for k in steps), t

@@ -134,7 +134,7 @@ class Connection(Turns):
         self.label = ctx.label
         self.emulated = ctx.emulated
         #: what the trace says a transfer of this connection went over (`bench timeline` names it on every row)
-        self.where = {"provider": ctx.label, "emulated": ctx.emulated,
+        self.where = {"provider": ctx.provider, "emulated": ctx.emulated,
                       "path": str(getattr(self.rcs[0].qp, "data_path", "verbs")) if self.rcs else "verbs"}
 
     @property

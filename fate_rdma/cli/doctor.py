@@ -15,17 +15,16 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--config", metavar="YAML", default=None,
-                   help="a channel configuration: a file with a `channel:` section (conf/channel.yaml) or a "
-                        "`fate_rdma:` one (a launcher conf, a task or fate-flow job conf): say what its receive "
-                        "pools hold (default: the built-in defaults)")
+                   help="a channel configuration: a file with a `channel:` section (conf/channel.yaml), else "
+                        "a `fate_rdma:` one (a launcher conf, a task or fate-flow job conf; a job conf's site file "
+                        "is not read): say what its receive pools hold (default: the built-in defaults)")
 
 
 def channel_config(path: str) -> "ChannelConfig":
-    """The channel settings of `path`: its `channel:` section, else its `fate_rdma` section (launcher, task or
-    fate-flow job conf). ConfigError where it has neither, or names no readable file."""
+    """The channel settings of `path`: its `channel:` section (conf/channel.yaml) if it has one, else its `fate_rdma`
+    section (a launcher, task or fate-flow job conf; a job conf's site file is not read). ConfigError where it has
+    neither, names no readable file, or a value is of the wrong kind."""
     import os
-
-    import yaml
 
     from ..config import ChannelConfig
     from ..errors import ConfigError
@@ -34,16 +33,21 @@ def channel_config(path: str) -> "ChannelConfig":
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such file")
     section = load_section(path)  # (an unreadable file: its ConfigError)
-    if section is None:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
+    import yaml
+
+    with open(path) as f:  # (parsed as load_section just did)
+        doc = yaml.safe_load(f)
+    try:
         if isinstance(doc, dict) and isinstance(doc.get("channel"), dict):
             return ChannelConfig.from_dict(doc["channel"])
-        raise ConfigError(f"{path}: no `channel:` section (conf/channel.yaml) and no `fate_rdma` section "
-                          f"(a launcher, task or fate-flow job conf): nothing to read the channel's settings from")
-    if not isinstance(section, dict):
-        raise ConfigError(f"{path}: the fate_rdma section must be a mapping")
-    return ChannelConfig.from_dict({k: v for k, v in section.items() if k not in FED_KEYS})
+        if section is None:
+            raise ConfigError(f"{path}: no `channel:` section (conf/channel.yaml) and no `fate_rdma` section "
+                              f"(a launcher, task or fate-flow job conf): nothing to read the channel's settings from")
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: the fate_rdma section must be a mapping")
+        return ChannelConfig.from_dict({k: v for k, v in section.items() if k not in FED_KEYS})
+    except (TypeError, ValueError) as exc:  # (a value of the wrong kind: ChannelConfig's own check)
+        raise ConfigError(f"{path}: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:

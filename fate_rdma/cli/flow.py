@@ -101,7 +101,8 @@ def _check_site(site: Dict[str, Any], path: str) -> List[str]:
         return [f"{path}: {exc}"]
     off = cfg.hosts_off_loopback()
     if off and not cfg.proven_senders:  # else every task would fail as its endpoint starts
-        return [f"{path}: endpoints on {', '.join(off)} (not loopback) and no authentication: an endpoint listens off "
+        return [f"{path}: endpoints (or listen_host) on {', '.join(off)} (not loopback) and no authentication: an "
+                f"endpoint listens off "
                 f"loopback only with the federation's shared secret or TLS; give --secret-file FILE (the same file at "
                 f"every site, `fate-rdma secret FILE` makes one) or --tls with --tls-cert/--tls-key/--tls-ca"]
     if cfg.channel.tls:  # the certificate must name one of the parties (this site's own)

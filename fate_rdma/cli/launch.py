@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     conf, secret_dir = os.path.abspath(args.conf), None
     if cfg.channel.secret_file is None and cfg.channel.auth != "none" and not cfg.channel.tls:
-        if cfg.hosts_off_loopback():
+        # (parties on other hosts; a listen_host off loopback is fine: the job's own secret below covers it)
+        if cfg.hosts_off_loopback(listen=False):
             print("fate-rdma launch: parties on other hosts need the federation's shared secret: set secret_file "
                   "in the fate_rdma section (the same secret at every site; `fate-rdma secret FILE` makes one)",
                   file=sys.stderr)

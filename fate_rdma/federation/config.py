@@ -131,10 +131,11 @@ class RdmaFederationConfig:
         """Does every connection prove its party (a shared secret or TLS certificates)?"""
         return bool(self.channel.secret_file or self.channel.tls)
 
-    def hosts_off_loopback(self) -> List[str]:
-        """The hosts of the endpoints (and listen_host) that are not this machine's loopback: an endpoint
-        listens there only with the federation's secret or TLS (the channel refuses to start otherwise)."""
-        hosts = [str(a).rpartition(":")[0] for a in self.endpoints.values()] + [self.listen_host or "127.0.0.1"]
+    def hosts_off_loopback(self, listen: bool = True) -> List[str]:
+        """The hosts of the endpoints (and, with `listen`, listen_host) that are not this machine's loopback: an
+        endpoint listens there only with the federation's secret or TLS (the channel refuses to start otherwise)."""
+        hosts = [str(a).rpartition(":")[0] for a in self.endpoints.values()]
+        hosts += [self.listen_host] if listen and self.listen_host else []
         return sorted({h for h in hosts if not is_loopback_host(h)})
 
     @property
