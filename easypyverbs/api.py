@@ -162,11 +162,17 @@ class MR(Resource):
         process: pyverbs). Call before the peer can write (right after registering)."""
         return None
 
+    @property
+    def windowed(self) -> bool:
+        """Does remote access go through a memory window (pyverbs: registered revocable, windows on)?"""
+        return False
+
     def revoke_remote(self) -> bool:
         """Stop remote access under the current rkey and keep the memory registered: from now on a peer's
         request under that rkey fails (remote access error); one being placed finishes first, within the
-        provider's close bound. `rekey` opens it again under a new rkey. False where the provider cannot (a
-        NIC: close the MR and register the memory anew instead); then nothing changed."""
+        provider's close bound. `rekey` opens it again under a new rkey. False where the provider cannot
+        (pyverbs without a memory window over this MR: close it and register the memory anew instead); then
+        nothing changed."""
         return False
 
     def rekey(self) -> int:

@@ -128,6 +128,10 @@ class WindowedMR:
     _windowed = False
     _mw: Any = None
 
+    @property
+    def windowed(self) -> bool:
+        return self._windowed
+
     def revoke_remote(self) -> bool:
         with self._close_lock:  # type: ignore[attr-defined]  (a close waits for a revoke or rekey, and the reverse)
             self._check_open()  # type: ignore[attr-defined]

@@ -271,7 +271,7 @@ def pool_report(conns: Iterable[Any], budget: Any, recycled: Any = None) -> Dict
         # "lent": held by the application in place (Message.detach), "held": a message not yet released
         peers[c.peer] = {"reserved_bytes": slots.reserved_bytes, "resident_bytes": slots.resident_bytes(),
                          # slots whose grants are memory windows (pyverbs, EASYPYVERBS_MEMORY_WINDOWS=on)
-                         "windowed_slots": sum(bool(getattr(m, "_windowed", False)) for m in slots.mrs),
+                         "windowed_slots": sum(m is not None and m.windowed for m in slots.mrs),
                          "slots": [{"payload_bytes": pool.capacity[i], "state": "lent" if i in lent else pool.state[i].value}
                                    for i in range(pool.nslots)]}
     resident = [p["resident_bytes"] for p in peers.values()]

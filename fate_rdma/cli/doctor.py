@@ -28,18 +28,15 @@ def channel_config(path: str) -> "ChannelConfig":
 
     from ..config import ChannelConfig
     from ..errors import ConfigError
-    from ..federation.config import FED_KEYS, load_section
+    from ..federation.config import FED_KEYS, read_conf, section_in
 
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such file")
-    section = load_section(path)  # (an unreadable file: its ConfigError)
-    import yaml
-
-    with open(path) as f:  # (parsed as load_section just did)
-        doc = yaml.safe_load(f)
+    doc = read_conf(path)  # (an unreadable file, or not a mapping: its ConfigError)
     try:
-        if isinstance(doc, dict) and isinstance(doc.get("channel"), dict):
+        if isinstance(doc.get("channel"), dict):
             return ChannelConfig.from_dict(doc["channel"])
+        section = section_in(doc)
         if section is None:
             raise ConfigError(f"{path}: no `channel:` section (conf/channel.yaml) and no `fate_rdma` section "
                               f"(a launcher, task or fate-flow job conf): nothing to read the channel's settings from")

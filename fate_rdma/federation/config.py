@@ -175,6 +175,11 @@ class RdmaFederationConfig:
 def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
     """A `fate_rdma` section from a YAML/JSON file path or an inline JSON string (FATE_RDMA_CONF): at the
     top level, under `conf` (a task conf) or under `dag.conf` (a fate-flow job)."""
+    return section_in(read_conf(text_or_path))
+
+
+def read_conf(text_or_path: str) -> Dict[str, Any]:
+    """The mapping in a YAML/JSON file, or in an inline JSON string; ConfigError naming what is wrong."""
     if text_or_path.lstrip().startswith("{"):
         try:
             doc = json.loads(text_or_path)
@@ -193,6 +198,11 @@ def load_section(text_or_path: str) -> Optional[Dict[str, Any]]:
     if not isinstance(doc, dict):
         raise ConfigError(f"{text_or_path}: the configuration must be a mapping (with a fate_rdma section), "
                           f"got {type(doc).__name__}")  # (inline JSON starts with "{": always a mapping)
+    return doc
+
+
+def section_in(doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The `fate_rdma` section of a configuration mapping (see load_section), or None."""
     if "fate_rdma" in doc:
         return doc["fate_rdma"]
     for holder in (doc, doc.get("dag") if isinstance(doc.get("dag"), dict) else {}):  # task conf, fate-flow DAG
