@@ -9,7 +9,8 @@
     qp.post_write(mr.sge(0, 4096), remote_mr, wr_id=1)
     cq.wait(timeout_s=5)
 
-The soft provider emulates verbs over TCP and says so ("soft (emulated verbs over TCP)");
+The soft provider emulates verbs over TCP (or shared memory between processes of one host) and says so
+("soft (emulated verbs, not RDMA)");
 `open_device(provider="soft", tls=MutualTLS.from_files(cert, key, ca))` puts its data connections in
 mutual TLS.
 """

@@ -38,7 +38,7 @@ class Context(Resource):
     @property
     def label(self) -> str:
         """How benchmark lines and logs name this provider."""
-        return "soft (emulated verbs over TCP)" if self.emulated else f"pyverbs ({self.name})"
+        return "soft (emulated verbs, not RDMA)" if self.emulated else f"pyverbs ({self.name})"
 
     def alloc_pd(self) -> "PD":
         self._check_open()

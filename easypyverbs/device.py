@@ -35,7 +35,7 @@ def choose_provider(requested: str = "auto") -> Tuple[str, str]:
     ok, why, devices = pyverbs_status()
     if ok and devices:
         return "pyverbs", f"RDMA device(s) found: {', '.join(devices)}"
-    return "soft", f"no RDMA device usable ({why}); using the soft provider (emulated verbs over TCP)"
+    return "soft", f"no RDMA device usable ({why}); using the soft provider (emulated verbs over TCP or, on one host, shared memory; not RDMA)"
 
 
 def open_device(

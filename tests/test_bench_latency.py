@@ -30,7 +30,7 @@ def test_bench_latency_rows_are_labelled_and_compared_with_raw_tcp_of_the_same_r
             assert r["emulated"] is False and "x_raw_tcp" not in r
         else:
             assert r["provider"] == "soft" and r["emulated"] is True and r["path"] == "tcp"
-            assert r["label"] == "soft (emulated verbs over TCP)" and r["checksum"] == "xxh3"
+            assert r["label"] == "soft (emulated verbs, not RDMA)" and r["checksum"] == "xxh3"
             raw = next(x for x in rows if x["method"] == "raw_tcp" and x["msg_bytes"] == r["msg_bytes"])
             assert r["x_raw_tcp"] == round(raw["rtt_ms_median"] / r["rtt_ms_median"], 3)
     assert "not RDMA: these are emulated figures" in out.stdout

@@ -11,7 +11,7 @@ def _row(method, seconds, snd, rcv):
 def test_bench_transfers_verdicts_keep_the_paths_apart_and_label_every_emulated_line(capsys):
     """Same host against its own target, loopback TCP against 0.95 with gRPC beside it (both over TCP), and
     every verdict line that rests on the soft provider says it is an emulation."""
-    soft = {"emulated": True, "label": "soft (emulated verbs over TCP)", "cpu_send_s_per_gb": 0.3, "cpu_recv_s_per_gb": 0.2}
+    soft = {"emulated": True, "label": "soft (emulated verbs, not RDMA)", "cpu_send_s_per_gb": 0.3, "cpu_recv_s_per_gb": 0.2}
     rows = [dict(_row("raw_tcp", 0.25, 0.2, 0.2), scenario="loopback", window=None, emulated=False),
             dict(_row("grpc_stream", 0.5, 0.3, 0.3), scenario="loopback", window=None, emulated=False),
             dict(soft, scenario="loopback", method="fedrdma-e", window="auto (8)", seconds=0.1,
@@ -64,7 +64,7 @@ def test_a_fedrdma_e_row_is_compared_with_raw_tcp_paying_for_the_same_check(caps
             dict(_row("raw_tcp_checked", 0.3125, 0.25, 0.25), scenario="loopback-tcp", window=None, emulated=False,
                  checksum="xxh3"),
             dict(_row("fedrdma-e", 0.4, 0.3, 0.3), scenario="loopback-tcp", window="auto (4)", path="tcp", emulated=True,
-                 label="soft (emulated verbs over TCP)", checksum="xxh3")]
+                 label="soft (emulated verbs, not RDMA)", checksum="xxh3")]
     transfer._verdicts(rows, 10**9, 3)
     out = capsys.readouterr().out
     assert ("loopback-tcp, data path tcp [soft provider: emulated verbs, not an RDMA figure]: fedrdma-e / raw TCP with the "
@@ -81,7 +81,7 @@ def test_a_fedrdma_e_row_is_compared_with_raw_tcp_paying_for_the_same_check(caps
 def test_the_same_host_row_is_compared_with_one_plain_copy_paying_for_the_same_check(capsys):
     """The copy baseline with the row's own check (paired against raw TCP), and the target said out of reach
     only where that copy itself stays under it."""
-    soft = {"emulated": True, "label": "soft (emulated verbs over TCP)", "scenario": "loopback", "window": "auto (4)",
+    soft = {"emulated": True, "label": "soft (emulated verbs, not RDMA)", "scenario": "loopback", "window": "auto (4)",
             "path": "same-host (memfd map / process_vm_readv)", "checksum": "xxh3"}
     base = {"scenario": "loopback", "window": None, "emulated": False, "provider": "memfd", "path": "same-host copy"}
     rows = [dict(_row("raw_tcp", 0.4, 0.3, 0.2), scenario="loopback", window=None, emulated=False),

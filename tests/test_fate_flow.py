@@ -126,7 +126,7 @@ def test_job_conf_section_switches_fate_rdma_on_and_weights_equal_plain_job(flow
         on = [line for line in task_log.splitlines() if "fate-rdma: ON for" in line]
         assert len(on) == 1, task_log[-3000:]  # once per task log
         assert f"({role}:{pid})" in on[0] and "engine standalone" in on[0]
-        assert "soft (emulated verbs over TCP) [EMULATED verbs over TCP, not RDMA]" in on[0] and "mode fedrdma-e" in on[0]
+        assert "soft (emulated verbs, not RDMA) [EMULATED verbs, not RDMA]" in on[0] and "mode fedrdma-e" in on[0]
         counters = re.findall(r"fate-rdma: counters for .*rdma_transfers=(\d+) rdma_bytes=(\d+) fate_fallbacks=(\d+)",
                               task_log)
         assert len(counters) == 1, task_log[-3000:]

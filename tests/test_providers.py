@@ -19,7 +19,7 @@ def test_auto_picks_soft_without_device_and_says_why():
     chosen, reason = ev.choose_provider("auto")
     assert chosen == "soft" and "no RDMA device" in reason
     with ev.open_device() as ctx:
-        assert ctx.provider == "soft" and ctx.emulated and ctx.label == "soft (emulated verbs over TCP)"
+        assert ctx.provider == "soft" and ctx.emulated and ctx.label == "soft (emulated verbs, not RDMA)"
 
 
 def test_pyverbs_without_device_is_a_clear_error():

@@ -79,7 +79,7 @@ def test_sweep_table_takes_each_ranks_last_job(tmp_path):
                 "trainable_params": 100 * rank, "up_bytes": 1600 * rank, "down_bytes": 800 * rank, "loss_guest": loss,
                 "loss_host": loss + 0.1, "loss": loss + 0.05, "comm_seconds": 0.1 * rnd, "compute_seconds": 1.0 * rnd,
                 "peak_rss_bytes": {"guest": 2**30, "host": 2**30, "arbiter": 2**29},
-                "provider": "soft (emulated verbs over TCP)", "emulated": True, "device": "cpu", "loadavg_1m": 1.0}
+                "provider": "soft (emulated verbs, not RDMA)", "emulated": True, "device": "cpu", "loadavg_1m": 1.0}
 
     fail = {"rank": 8, "transport": "fate-rdma", "run_id": "a", "status": "failed", "round": None,
             "error": "the job overran --timeout-s 10 and was stopped"}

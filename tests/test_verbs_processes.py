@@ -112,7 +112,7 @@ def test_demo_small():
     out = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "demo", "--parts", "3", "--params", "3000000", "--msg-mib", "4"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "verify:" in out.stdout and "OK" in out.stdout and "soft (emulated verbs over TCP)" in out.stdout
+    assert "verify:" in out.stdout and "OK" in out.stdout and "soft (emulated verbs, not RDMA)" in out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith(("fedrdma (", "fedrdma-e ("))]
     assert len(rows) == 2 and all(line.rstrip().endswith("OK") for line in rows), out.stdout  # both sends, both modes
     assert "first s  second s" in out.stdout and "demo: all results verified" in out.stdout
@@ -158,7 +158,7 @@ def test_bench_regrant_times_both_ways_and_labels_them(provider):
             assert provider == "pyverbs" and "memory windows" in ways["rekey"]["skipped"]
         else:
             assert ways["rekey"]["median_ms"] > 0 and ways["ratio"]["register_over_rekey"] > 0
-    assert ("emulated verbs over TCP" in out.stdout) == (provider == "soft")
+    assert ("emulated verbs, not RDMA" in out.stdout) == (provider == "soft")
     bad = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "bench", "regrant", "--sizes", "12Q"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "fate-rdma bench regrant:" in bad.stderr

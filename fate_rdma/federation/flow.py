@@ -215,7 +215,7 @@ def wrap_flow_task(fed: Any, computing: Any, task: FlowTask) -> bool:
         raise FlowRouteError(f"fate-rdma: {task.label} asked for fate-rdma (dag.conf.extra.fate_rdma) and cannot have "
                              f"it: {exc} (or set `fallback: fate` in the section to run on FATE's own federation)") from exc
     emulated = getattr(getattr(rdma.endpoint, "ctx", None), "emulated", None)
-    kind = "EMULATED verbs over TCP, not RDMA" if emulated else "RDMA"
+    kind = "EMULATED verbs, not RDMA" if emulated else "RDMA"
     log.info("fate-rdma: ON for %s: engine %s, provider %s [%s], mode %s, endpoint %s, %s", task.label, engine,
              rdma.endpoint.label, kind, cfg.channel.mode, rdma.endpoint.name,
              "every object over the channel (descriptors: channel)" if rdma.announce else

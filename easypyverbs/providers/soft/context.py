@@ -24,7 +24,9 @@ from .landing import WriteDigests
 
 log = logging.getLogger("easypyverbs.soft")
 
-SOFT_LABEL = "soft (emulated verbs over TCP)"
+#: the provider's name in logs and on benchmark lines: path-neutral, since one context carries TCP streams (as
+#: between hosts) and same-host shared-memory copies alike; where a figure has a path, its line names it
+SOFT_LABEL = "soft (emulated verbs, not RDMA)"
 #: rkeys drawn from the OS at a time (_new_key)
 KEY_BATCH = 256
 
