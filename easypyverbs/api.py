@@ -354,8 +354,8 @@ class QP(Resource):
 
         `on_leave(offset, piece)`: on a QP that moves the bytes itself (`calls_on_leave`: the soft provider over
         TCP), called with each piece of the WRITE's bytes, in order (`offset` from its first byte), by the
-        thread that sends them, just before the piece goes, so that the caller can read them (a digest) while
-        they are in cache; elsewhere (a NIC's DMA, the soft provider's same-host path) never called. It must
+        thread that sends them, shortly before the piece goes (a few pieces a system call), so that the caller can
+        read them (a digest) while they are in cache; elsewhere (a NIC's DMA, the soft provider's same-host path) never called. It must
         not raise (an exception is logged and the hook is not called again for that WRITE) nor block."""
         self._post_rdma("write", sges, remote, remote_offset, None, wr_id, signaled, on_leave)
 

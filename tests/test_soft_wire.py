@@ -165,6 +165,43 @@ def test_send_without_waiting_returns_what_did_not_fit():
         b.close()
 
 
+class _PartialSock:
+    """A socket stand-in whose every sendmsg takes a random share of what it is given, recording each call."""
+
+    def __init__(self, seed: int) -> None:
+        import random
+        self.rng, self.out, self.calls = random.Random(seed), bytearray(), []
+
+    def sendmsg(self, bufs):
+        self.calls.append((len(bufs), sum(b.nbytes for b in bufs)))
+        left = n = self.rng.randint(1, self.calls[-1][1])
+        for b in bufs:
+            k = min(left, b.nbytes)
+            self.out += bytes(b[:k])
+            left -= k
+            if not left:
+                break
+        return n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_send_buffers_caps_each_call_and_keeps_the_stream(monkeypatch, seed):
+    """A WRITE larger than SEND_CALL_BYTES goes in calls of at most that many bytes (one large sendmsg per chunk
+    was slower over loopback TCP), small buffers still share a call (up to 512 iovecs), and partial sends lose
+    or reorder nothing."""
+    monkeypatch.setattr(wire, "SEND_CALL_BYTES", 64 << 10)
+    import random
+    rng = random.Random(seed)
+    bufs = [memoryview(bytes(rng.getrandbits(8) for _ in range(rng.choice([0, 1, 40, 4096, 70000, 300000]))))
+            for _ in range(rng.randint(1, 12))] + [memoryview(bytes(range(40))) for _ in range(600)]
+    sock = _PartialSock(seed)
+    wire.send_buffers(sock, bufs)
+    assert bytes(sock.out) == b"".join(bytes(b) for b in bufs)
+    assert all(n <= 512 and (total <= 64 << 10 or n == 1) for n, total in sock.calls)
+    assert max(total for _, total in sock.calls) <= 64 << 10  # a buffer above the cap is cut, never sent whole
+    assert any(n > 1 for n, _ in sock.calls)  # small buffers share calls
+
+
 def _spy_doorbell(monkeypatch, keep_bytes=None):
     """Count the posting thread's writes; with `keep_bytes`, each takes only that many bytes (as when the
     socket's buffer is full) and hands the rest to the send thread."""

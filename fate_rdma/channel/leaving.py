@@ -4,7 +4,7 @@ soft provider over TCP), instead of in a separate pass over the payload on the d
 The pool's pass reads the payload from memory apart from the kernel's copy of it into the socket, on another
 thread: on the 2-core test machine that cost the sender about 0.1 CPU-s per GB and ~11 points of fedrdma-e's
 ratio to raw TCP with XXH3 (docs/FIGURES.md, 2026-11-30). Here the soft provider's send thread hands each
-piece of a WRITE to `leave` just before it goes, and the piece is digested while it is in cache, as the
+piece of a WRITE to `leave` shortly before it goes, and the piece is digested while it is in cache, as the
 receiver digests each piece where it lands.
 
 Only the blocks that lie wholly inside one chunk other than chunk 0 go this way (the transfer's chunks are
