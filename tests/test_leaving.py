@@ -1,5 +1,5 @@
-"""Digests taken as the bytes leave: the soft provider hands each piece of a WRITE to its `on_leave` just before
-sending it (QP.post_write), and a FedRDMA-E sender over TCP builds its payload digest from those pieces
+"""Digests taken as the bytes leave: the soft provider hands each piece of a WRITE to its `on_leave` before
+sending it, a few pieces a send call (QP.post_write), and a FedRDMA-E sender over TCP builds its payload digest from those pieces
 (fate_rdma/channel/leaving.py) instead of a separate pass on the digest pool; whatever does not leave that
 way (chunk 0, which waits for the digest; a WRITE begun inside a block; a failed hook) is digested on the
 pool, so the digest is always payload_digest's."""
@@ -48,6 +48,31 @@ def test_each_piece_of_a_write_is_handed_to_on_leave_in_order_before_it_goes(pro
         assert b"".join(p for _, p in seen) == data == bytes(sides[1].buf[:len(data)])
         assert max(len(p) for _, p in seen) <= TCP_PIECE_BYTES
     finally:
+        close_pair(sides)
+
+
+def test_a_write_of_several_send_calls_hands_every_piece_before_it_leaves(monkeypatch):
+    """A WRITE larger than one send call (SEND_CALL_BYTES, made 2 MiB here): the pieces the hook has seen go to
+    the socket a few at a time, no byte of a piece before the hook has seen it, and every byte lands."""
+    from types import SimpleNamespace
+
+    from easypyverbs.providers.soft import leave, wire
+    sent, seen = [], []
+
+    def spy(sock, bufs):
+        sent.append(sum(b.nbytes for b in bufs))
+        assert sum(sent) <= sum(len(p) for _, p in seen) + wire.REQ.size  # (the WRITE's header rides the first call)
+        wire.send_buffers(sock, bufs)
+
+    sides = make_pair("soft-tcp", size=8 * MiB)
+    try:
+        monkeypatch.setattr(leave, "wire", SimpleNamespace(send_buffers=spy, SEND_CALL_BYTES=2 * TCP_PIECE_BYTES))
+        data = np.random.default_rng(2).integers(0, 256, 7 * MiB + 5, dtype=np.uint8).tobytes()
+        _write(sides, data, lambda off, piece: seen.append((off, bytes(piece))))
+        assert b"".join(p for _, p in seen) == data == bytes(sides[1].buf[:len(data)])
+        assert len(sent) == 4 and max(sent) <= 2 * TCP_PIECE_BYTES + wire.REQ.size  # 8 pieces, 2 a call
+    finally:
+        monkeypatch.undo()
         close_pair(sides)
 
 

@@ -202,6 +202,16 @@ def test_send_buffers_caps_each_call_and_keeps_the_stream(monkeypatch, seed):
     assert any(n > 1 for n, _ in sock.calls)  # small buffers share calls
 
 
+def test_send_buffers_takes_views_of_wider_items_as_their_bytes(monkeypatch):
+    """A view whose items are wider than a byte (an int32 array) is cut and resumed by bytes, not items."""
+    import array
+    monkeypatch.setattr(wire, "SEND_CALL_BYTES", 1000)
+    ints = array.array("i", range(3000))
+    sock = _PartialSock(7)
+    wire.send_buffers(sock, [memoryview(b"head"), memoryview(ints)])
+    assert bytes(sock.out) == b"head" + ints.tobytes()
+
+
 def _spy_doorbell(monkeypatch, keep_bytes=None):
     """Count the posting thread's writes; with `keep_bytes`, each takes only that many bytes (as when the
     socket's buffer is full) and hands the rest to the send thread."""

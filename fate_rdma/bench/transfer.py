@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
           ["scenario", "method", "window", "provider", "path", "source", "emulated", "checksum", "seconds", "gbps", "x_raw_tcp",
            "chunks", "rss", "cpu_snd", "cpu_rcv", "loadavg_1m"])
     print("cpu_snd, cpu_rcv: CPU seconds per GB moved, of the sending and the receiving process (user + system, all "
-          "threads); the soft provider is an emulation of verbs over TCP (emulated: True), not RDMA")
+          "threads); the soft provider is an emulation of verbs (over TCP, or shared memory on the same-host path; "
+          "emulated: True), not RDMA")
     for r in rows:
         if r.get("skipped"):
             print(f"skipped {r['method']}: {r['skipped']}")

@@ -249,6 +249,8 @@ def send_buffers(sock: Any, bufs: Sequence[memoryview]) -> None:
         return
     pending: List[memoryview] = []
     for b in bufs:
+        if b.itemsize != 1 or b.ndim != 1:  # slices and `_unsent` count items: make them bytes
+            b = b.cast("B")
         n = b.nbytes
         if n > SEND_CALL_BYTES:
             pending.extend(b[i:i + SEND_CALL_BYTES] for i in range(0, n, SEND_CALL_BYTES))
@@ -259,7 +261,10 @@ def send_buffers(sock: Any, bufs: Sequence[memoryview]) -> None:
         while k < len(pending) and k < 512 and size + pending[k].nbytes <= SEND_CALL_BYTES:
             size += pending[k].nbytes
             k += 1
-        pending = _unsent(pending[:k], sock.sendmsg(pending[:k])) + pending[k:]
+        sent = sock.sendmsg(pending[:k])
+        if not sent:  # (a blocking socket takes at least a byte or raises: never spin on nothing)
+            raise OSError(f"sendmsg took none of {size} bytes")
+        pending = _unsent(pending[:k], sent) + pending[k:]
 
 
 def send_without_waiting(sock: socket.socket, bufs: Sequence[memoryview]) -> List[memoryview]:
