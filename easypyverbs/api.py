@@ -22,6 +22,11 @@ _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_WRITE_OR_ATOMIC = int(Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
 
 
+#: the soft provider's name in logs and on benchmark lines: path-neutral, since one context carries TCP streams (as
+#: between hosts) and same-host shared-memory copies alike; where a figure has a path, its line names it
+SOFT_LABEL = "soft (emulated verbs, not RDMA)"
+
+
 class Context(Resource):
     """An opened device (`ibv_context`)."""
 
@@ -38,7 +43,7 @@ class Context(Resource):
     @property
     def label(self) -> str:
         """How benchmark lines and logs name this provider."""
-        return "soft (emulated verbs, not RDMA)" if self.emulated else f"pyverbs ({self.name})"
+        return SOFT_LABEL if self.emulated else f"pyverbs ({self.name})"
 
     def alloc_pd(self) -> "PD":
         self._check_open()

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 from .device import choose_provider
 from .providers import pyverbs_provider as pv
-from .providers.soft.context import SOFT_LABEL
+from .api import SOFT_LABEL
 
 
 def report() -> Dict[str, Any]:

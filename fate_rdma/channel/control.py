@@ -173,6 +173,6 @@ def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
         conn.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
     elif c.kind is CtrlKind.PROBE_REPLY:
         if conn.probe.on_reply(int(c.value), clock()):
-            log.info("connection to %s: RTT %.3f ms, window %d of %d-byte chunks, data path %s%s", conn.peer,
+            log.info("connection to %s: RTT %.3f ms, window %d of %d-byte chunks, %s, data path %s", conn.peer,
                      conn.probe.rtt_s * 1e3, *conn.window(conn.cfg.mode == "fedrdma-e"),  # type: ignore[operator]
-                     conn.where["path"], " (emulated verbs, not RDMA)" if conn.where["emulated"] else "")
+                     conn.label, conn.where["path"])

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 from ... import stalls
-from ...api import CQ, MR, PD, QP, Context
+from ...api import CQ, MR, PD, QP, SOFT_LABEL, Context
 from ...enums import Access
 from ...errors import EasyVerbsError, UsageError
 from ...tls import TLS_RECORD_HANDSHAKE, MutualTLS, TLSStream, first_byte, handshake
@@ -24,9 +24,6 @@ from .landing import WriteDigests
 
 log = logging.getLogger("easypyverbs.soft")
 
-#: the provider's name in logs and on benchmark lines: path-neutral, since one context carries TCP streams (as
-#: between hosts) and same-host shared-memory copies alike; where a figure has a path, its line names it
-SOFT_LABEL = "soft (emulated verbs, not RDMA)"
 #: rkeys drawn from the OS at a time (_new_key)
 KEY_BATCH = 256
 

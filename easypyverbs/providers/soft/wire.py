@@ -234,7 +234,7 @@ def more_pending(sock: Any) -> bool:
 
 
 #: most bytes one `sendmsg` takes (send_buffers): a larger WRITE goes in calls of this size. Loopback TCP moved
-#: 1 GiB of FedRDMA-E's 32 MiB WRITEs in 0.39-0.49 s as one call a WRITE and in 0.27-0.33 s in 4 MiB calls, raw TCP
+#: 1 GiB of FedRDMA-E's 32 MiB WRITEs in 0.39-0.49 s as one call a WRITE and in 0.27-0.39 s in 4 MiB calls, raw TCP
 #: (4 MiB sendalls) 0.27-0.39 s beside them (`bench transfer --scenarios loopback-tcp --checksum none`, three
 #: alternations, 2-core test machine; 2 and 8 MiB calls read as 4); plain 32 MiB sendalls were slower than 4 MiB
 #: ones too (median 0.35-0.37 against 0.28-0.32 s a GiB, scratch)
