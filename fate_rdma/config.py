@@ -125,7 +125,7 @@ class ChannelConfig:
     #: environment switches it off too (every endpoint of the process, whatever this says)
     same_host: bool = True
     #: FedRDMA-E's chunk on that same-host path, where a chunk is only a unit of copying (no wire to pace)
-    #: and each costs a request, an answer and thread switches (~1 ms a chunk on 2 cores): 1 GiB with XXH3,
+    #: and each costs a request, an answer and thread switches (1-2 ms a chunk on 2 cores): 1 GiB with XXH3,
     #: alternated runs of `bench transfer` (2026-12-01): 32 MiB chunks 0.228-0.242 s, 64/128/256 MiB
     #: 0.207-0.213 s. At least chunk_bytes; 0 = chunk_bytes
     same_host_chunk_bytes: int = 64 * MiB
