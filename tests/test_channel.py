@@ -402,6 +402,20 @@ def test_shipped_conf_files_load():
     assert kinds == {"channel", "fate_rdma"}
 
 
+def test_conf_channel_yaml_lists_every_default():
+    """conf/channel.yaml says its values are the defaults: a changed default (same_host_chunk_bytes went 32 ->
+    64 MiB with the file still saying 32) must change it too, and a new setting appear in it."""
+    import dataclasses
+    import pathlib
+
+    import yaml
+
+    doc = yaml.safe_load((pathlib.Path(__file__).parent.parent / "conf" / "channel.yaml").read_text())["channel"]
+    defaults = ChannelConfig()
+    assert sorted(doc) == sorted(f.name for f in dataclasses.fields(ChannelConfig))
+    assert {k: v for k, v in doc.items() if getattr(defaults, k) != v} == {}
+
+
 BIG = 10 << 20  # above the 4 MiB checksum block: the whole-payload checksum runs on the block pool
 
 
