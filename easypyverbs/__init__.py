@@ -17,20 +17,20 @@ mutual TLS.
 from .api import CQ, MR, PD, QP, SGE, Context
 from .bootstrap import BootstrapConn, Listener, connect
 from .connection import RCConnection, establish
-from .device import choose_provider, open_device
+from .device import Emulation, choose_provider, open_device
 from .enums import Access, QPState, WCOpcode, WCStatus
 from .errors import (BootstrapError, CompletionError, EasyVerbsError, NoDeviceError, PollTimeout,
                      UsageError)
 from .providers.soft.link import LinkModel
 from .resource import live_resources
 from .tls import MutualTLS
-from .types import WC, DeviceInfo, PortInfo, QPCap, QPInfo, RemoteMR
+from .types import WC, DataPath, DeviceInfo, PortInfo, QPCap, QPInfo, RemoteMR
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Access", "BootstrapConn", "BootstrapError", "CQ", "CompletionError", "Context", "DeviceInfo",
+    "Access", "BootstrapConn", "BootstrapError", "CQ", "CompletionError", "Context", "DataPath", "DeviceInfo",
     "EasyVerbsError", "LinkModel", "Listener", "MR", "MutualTLS", "NoDeviceError", "PD", "PollTimeout", "PortInfo",
     "QP", "QPCap", "QPInfo", "QPState", "RCConnection", "RemoteMR", "SGE", "UsageError", "WC",
-    "WCOpcode", "WCStatus", "choose_provider", "connect", "establish", "live_resources", "open_device",
+    "WCOpcode", "WCStatus", "Emulation", "choose_provider", "connect", "establish", "live_resources", "open_device",
 ]

@@ -1,7 +1,9 @@
 """The provider-independent verbs API: Context -> PD -> MR, CQ, QP.
 
 Providers (`easypyverbs.providers.*`) subclass these and implement the `_`-prefixed hooks; the
-argument checking, bounds checks and lifetime rules live here once, so both providers behave alike.
+argument checking, bounds checks and lifetime rules live here once, so both providers behave alike. What a
+provider's objects can do beyond this API (hooks of a provider that moves the bytes itself) is in
+capabilities.py; how its payloads move, for a policy to read, is a QP's `path_kind` (types.DataPath).
 """
 from __future__ import annotations
 
@@ -9,13 +11,13 @@ import abc
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 from .buffers import address_of, as_byte_view
 from .enums import Access, QPState, WCOpcode
 from .errors import PollTimeout, UsageError
 from .resource import Resource
-from .types import WC, DeviceInfo, QPCap, QPInfo, RemoteMR
+from .types import WC, DataPath, DeviceInfo, QPCap, QPInfo, RemoteMR
 
 
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
@@ -33,8 +35,12 @@ class Context(Resource):
     close_rank = 90
     provider: str = "?"
     emulated: bool = False
-    #: the provider places remote WRITEs itself and can digest them as they land (MR.track_writes)
+    #: the provider places remote WRITEs itself: its MRs are capabilities.PlacesWrites (digests as they land)
     tracks_writes: bool = False
+    #: registering memory pins it (a NIC's DMA needs it resident): fault large registrations in first
+    pins_memory: bool = True
+    #: payloads to a peer process of this host may move by a copy between the two processes (no wire)
+    same_host: bool = False
 
     def __init__(self, name: str) -> None:
         super().__init__(None)
@@ -62,6 +68,11 @@ class Context(Resource):
     @property
     def max_msg_bytes(self) -> int:
         return min(p.max_msg_bytes for p in self.query().ports)
+
+    @property
+    def link_rate_bps(self) -> Optional[float]:
+        """The rate of an emulated link this context's payloads cross, where it has one (None: unknown)."""
+        return None
 
     @abc.abstractmethod
     def _alloc_pd(self) -> "PD":
@@ -158,15 +169,6 @@ class MR(Resource):
         length = self._range(offset, length)
         return RemoteMR(self.addr + offset, self.rkey, length)
 
-    def track_writes(self, origin: int, block_bytes: int, start: Callable[[int], Any]) -> Optional[Any]:
-        """Digest the peer's WRITEs into this MR as they land, per block of `block_bytes` from `origin`
-        (`start(block)` makes a block's hasher: `update(view)`, `digest()`), where the provider places the
-        bytes itself: the soft provider, with each piece still in cache. Returns the digests
-        (`take(block, length)`: the digest of `length` bytes from the block's start, or None where no single
-        WRITE placed them alone), or None where the provider cannot (a NIC writes memory without this
-        process: pyverbs). Call before the peer can write (right after registering)."""
-        return None
-
     @property
     def windowed(self) -> bool:
         """Does remote access go through a memory window (pyverbs: registered revocable, windows on)?"""
@@ -182,7 +184,8 @@ class MR(Resource):
 
     def rekey(self) -> int:
         """After `revoke_remote`: remote access again, under a new rkey (returned), which no earlier
-        descriptor of this MR holds; `track_writes` starts anew after it where wanted."""
+        descriptor of this MR holds; tracking WRITEs (capabilities.PlacesWrites) starts anew after it where
+        wanted."""
         raise UsageError(f"{type(self).__name__} cannot take a new rkey: close it and register the memory again")
 
     def _close_impl(self) -> None:
@@ -318,6 +321,17 @@ class QP(Resource):
     def state(self) -> QPState:
         return QPState.ERR if self.closed else self._state()
 
+    @property
+    def path_kind(self) -> DataPath:
+        """How this QP's payloads move, for a policy to read; fixed once connected. A provider whose payloads
+        do not cross a NIC says so."""
+        return DataPath.RDMA
+
+    @property
+    def data_path(self) -> str:
+        """The same in words, for logs and traces (a provider may say more)."""
+        return "verbs"
+
     # -- posting --------------------------------------------------------------------------------
     def _sges(self, sges: SGEs, limit: int) -> List[SGE]:
         if isinstance(sges, (SGE, MR)):
@@ -353,21 +367,11 @@ class QP(Resource):
         _check_imm(imm)
         self._post("send", lst, None, 0, imm, wr_id, signaled)
 
-    def post_write(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True,
-                   on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
-        """RDMA WRITE of the SGEs to `remote` at `remote_offset`; no completion at the peer.
-
-        `on_leave(offset, piece)`: on a QP that moves the bytes itself (`calls_on_leave`: the soft provider over
-        TCP), called with each piece of the WRITE's bytes, in order (`offset` from its first byte), by the
-        thread that sends them, shortly before the piece goes (a few pieces a system call), so that the caller can
-        read them (a digest) while they are in cache; elsewhere (a NIC's DMA, the soft provider's same-host path) never called. It must
-        not raise (an exception is logged and the hook is not called again for that WRITE) nor block."""
-        self._post_rdma("write", sges, remote, remote_offset, None, wr_id, signaled, on_leave)
-
-    @property
-    def calls_on_leave(self) -> bool:
-        """Does this QP call a WRITE's `on_leave` (post_write)? Fixed once the QP is connected."""
-        return False
+    def post_write(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0,
+                   signaled: bool = True) -> None:
+        """RDMA WRITE of the SGEs to `remote` at `remote_offset`; no completion at the peer. (A QP that sends
+        the bytes itself may take a hook for them on the way: capabilities.LeavingWrites.)"""
+        self._post_rdma("write", sges, remote, remote_offset, None, wr_id, signaled)
 
     def post_write_with_imm(
         self, sges: SGEs, remote: RemoteMR, imm: int, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True
@@ -375,28 +379,30 @@ class QP(Resource):
         """RDMA WRITE_WITH_IMM: places the bytes, then consumes a peer receive carrying `imm`."""
         self._post_rdma("write", sges, remote, remote_offset, imm, wr_id, signaled)
 
-    def post_read(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0, signaled: bool = True) -> None:
+    def post_read(self, sges: SGEs, remote: RemoteMR, remote_offset: int = 0, wr_id: int = 0,
+                  signaled: bool = True) -> None:
         """RDMA READ from `remote` at `remote_offset` into the local SGEs."""
         self._post_rdma("read", sges, remote, remote_offset, None, wr_id, signaled)
 
-    def _post_rdma(self, op: str, sges: SGEs, remote: RemoteMR, remote_offset: int, imm: Optional[int], wr_id: int, signaled: bool,
-                   on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
+    def _post_rdma(self, op: str, sges: SGEs, remote: RemoteMR, remote_offset: int, imm: Optional[int], wr_id: int,
+                   signaled: bool) -> None:
+        lst = self._rdma_sges(sges, remote, remote_offset, imm)
+        self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled)
+
+    def _rdma_sges(self, sges: SGEs, remote: RemoteMR, remote_offset: int, imm: Optional[int]) -> List[SGE]:
+        """Check an RDMA request (this QP ready, its SGEs, lengths, immediate and remote range): its SGEs."""
         self._ready()
         lst = self._sges(sges, self.cap.max_send_sge)
         total = sum(s.length for s in lst)
         self._check_len(total)
         _check_imm(imm)
         if remote_offset < 0 or remote_offset + total > remote.length:
-            raise UsageError(
-                f"remote range [{remote_offset}, {remote_offset + total}) outside the remote MR of {remote.length} bytes"
-            )
+            raise UsageError(f"remote range [{remote_offset}, {remote_offset + total}) outside the remote MR of "
+                             f"{remote.length} bytes")
         if not 0 <= remote.rkey < 1 << 32 or not 0 <= remote.addr <= (1 << 64) - remote.length:
             raise UsageError(f"remote MR rkey {remote.rkey:#x} / address {remote.addr:#x} + {remote.length} bytes "
                              f"outside 32 / 64 bits")
-        if on_leave is not None and self.calls_on_leave:
-            self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled, on_leave=on_leave)  # type: ignore[call-arg]
-        else:
-            self._post(op, lst, remote.addr + remote_offset, remote.rkey, imm, wr_id, signaled)
+        return lst
 
     @contextlib.contextmanager
     def batch(self) -> Iterator["QP"]:
@@ -426,7 +432,8 @@ class QP(Resource):
         self._post_recv(lst, wr_id)
 
     @abc.abstractmethod
-    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
+    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int,
+              signaled: bool) -> None:
         """Provider hook."""
 
     @abc.abstractmethod

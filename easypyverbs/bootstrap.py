@@ -1,8 +1,17 @@
 """Out-of-band connection set-up over TCP (what perftest does), the same for every provider.
 
-Frames: `!4sBBHI` header (magic b"EPVB", version 1, kind 1 = JSON, reserved, body length) then a
-UTF-8 JSON object of at most `MAX_BODY_BYTES`. Anything else is a `BootstrapError` naming the
-problem; nothing waits without a deadline.
+Frames: `!4sBBHI` header (magic b"EPVB", version 1, kind, reserved, body length) then a UTF-8 JSON
+object of at most `MAX_BODY_BYTES`, nested at most `MAX_JSON_DEPTH` deep. Anything else is a
+`BootstrapError` naming the problem; nothing waits without a deadline.
+
+Kind 1 (JSON): the body is the object. Kind 2 (sealed JSON), once both ends called `seal(send_key,
+recv_key)` (after they authenticated each other: the keys come from their session): the object, then a
+16-byte keyed BLAKE2b tag of (the message's number in its direction, u64 big-endian, counted from 0 at
+the seal) || the object. The number is not sent: both ends count, so a message altered, forged, replayed,
+reordered or dropped on the way fails the next check, and a sealed connection takes no unsealed message.
+A sealed connection also derives the attach tokens of the QPs it sets up (`attach_token`): a QP whose peer
+attaches over a connection of its own (capabilities.AttachToken: the soft provider's data connections)
+takes the token both ends derive from the seal's keys, and none crosses in a message.
 
 Deadlines run on easypyverbs.stalls' clock, so a hold of this process (native code keeping the GIL)
 does not count against them. A hold of the *peer* would: its kernel completes our connect and takes
@@ -17,24 +26,74 @@ vanishes after acknowledging everything is not noticed before the window ends (n
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
+import re
 import socket
 import struct
-import time
 from typing import Any, Dict, Optional, Tuple
 
 from . import stalls
 from .errors import BootstrapError
+from .retry import Retry
 
 log = logging.getLogger("easypyverbs.bootstrap")
+
+#: the BLAKE2b personalisation of attach tokens (BootstrapConn.attach_token), apart from the messages' tags
+ATTACH_PERSON = b"epvb attach v1"
 
 HEADER = struct.Struct("!4sBBHI")
 MAGIC = b"EPVB"
 VERSION = 1
 KIND_JSON = 1
+KIND_SEALED = 2
+TAG_BYTES = 16
 #: QP info and a handful of MR descriptors fit in a few KiB; 1 MiB leaves room without inviting abuse
 MAX_BODY_BYTES = 1 << 20
+#: bootstrap messages nest three levels (a message, its MR descriptors, one descriptor); deeper JSON is refused
+#: before it is parsed, so a peer cannot make json.loads, or a repr of what it returns, recurse without bound
+MAX_JSON_DEPTH = 32
+
+#: a JSON string, or an unterminated one to the end of the text (so the scan stays linear on any text)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_JSON_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str, limit: int) -> int:
+    """How deeply the arrays and objects of JSON `text` nest (strings skipped), counted no further than
+    `limit` + 1; exact for any text json.loads accepts. Linear in the text's length."""
+    depth = deepest = 0
+    for c in _JSON_NOT_BRACKET.sub("", _JSON_STRING.sub("", text)):
+        if c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def loads_object(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Dict[str, Any]:
+    """The JSON object `body` holds (UTF-8), or ValueError naming what is wrong: not UTF-8, nested deeper than
+    `max_depth`, malformed, or a JSON value other than an object. For bytes from a peer."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"a body that is not UTF-8 ({exc})") from exc
+    if json_depth(text, max_depth) > max_depth:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # (RecursionError: only past the depth check, in a deep stack)
+        raise ValueError(f"malformed JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ValueError(f"JSON {type(obj).__name__}, expected an object")
+    return obj
 
 
 #: struct tcp_info (linux/tcp.h): tcpi_state is its first byte, tcpi_unacked the u32 at offset 24
@@ -97,6 +156,35 @@ class BootstrapConn:
         self.patient_until = 0.0
         self.patience_why = ""
         self.told = False  # (the one log line about a silent peer was written)
+        self._keys: Optional[Tuple[bytes, bytes]] = None  # (send, recv) once sealed
+        self._sent = self._received = 0  # messages since the seal, each way
+
+    def seal(self, send_key: bytes, recv_key: bytes) -> None:
+        """From now on every message this side sends carries a MAC under `send_key` and its number, and every
+        message it receives must carry one under `recv_key` (see the module's doc). Both ends seal at the same
+        point of their exchange."""
+        if not send_key or not recv_key:
+            raise ValueError("seal needs two keys")
+        self._keys, self._sent, self._received = (bytes(send_key), bytes(recv_key)), 0, 0
+
+    @property
+    def sealed(self) -> bool:
+        return self._keys is not None
+
+    def attach_token(self, qpn: int, mine: bool) -> bytes:
+        """The attach token (16 bytes) of this side's QP `qpn` (`mine`: what the peer must present to attach to
+        it) or of the peer's QP `qpn` (what this side presents): keyed BLAKE2b under the key of the direction the
+        attacher's messages take, so both ends derive the same token and it never crosses in a message."""
+        if self._keys is None:
+            raise BootstrapError("attach tokens come from a sealed bootstrap connection; this one is not sealed")
+        if not 0 <= qpn < 1 << 32:
+            raise BootstrapError(f"QP number {qpn} is out of range")
+        key = self._keys[1] if mine else self._keys[0]
+        return hashlib.blake2b(qpn.to_bytes(4, "big"), key=key, digest_size=16, person=ATTACH_PERSON).digest()
+
+    @staticmethod
+    def _tag(key: bytes, number: int, body: bytes) -> bytes:
+        return hashlib.blake2b(number.to_bytes(8, "big") + body, key=key, digest_size=TAG_BYTES).digest()
 
     def wait_patiently(self, seconds: float, why: str = "") -> None:
         """Let reads past their deadline wait until `seconds` from now while the peer's host keeps
@@ -106,16 +194,21 @@ class BootstrapConn:
 
     def keep_patience_of(self, other: "BootstrapConn") -> None:
         """Carry `other`'s window (and whether it already logged) to this connection that wraps its socket."""
-        self.patience_s, self.patient_until, self.patience_why = other.patience_s, other.patient_until, other.patience_why
+        self.patience_s, self.patient_until = other.patience_s, other.patient_until
+        self.patience_why = other.patience_why
         self.told = other.told
 
     def send(self, obj: Dict[str, Any], timeout_s: float = 10.0) -> None:
         body = json.dumps(obj, separators=(",", ":")).encode()
+        kind = KIND_JSON
+        if self._keys is not None:
+            body, kind = body + self._tag(self._keys[0], self._sent, body), KIND_SEALED
+            self._sent += 1
         if len(body) > MAX_BODY_BYTES:
             raise BootstrapError(f"bootstrap message of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
         self.sock.settimeout(timeout_s)
         try:
-            self.sock.sendall(HEADER.pack(MAGIC, VERSION, KIND_JSON, 0, len(body)) + body)
+            self.sock.sendall(HEADER.pack(MAGIC, VERSION, kind, 0, len(body)) + body)
         except OSError as exc:
             raise BootstrapError(f"cannot send to bootstrap peer {self.peer}: {exc}", exc.errno) from exc
 
@@ -127,18 +220,28 @@ class BootstrapConn:
                                  f"does not: TLS is on there and off here")
         if magic != MAGIC:
             raise BootstrapError(f"bootstrap peer {self.peer} sent garbage (magic {magic!r}, expected {MAGIC!r})")
-        if version != VERSION or kind != KIND_JSON:
-            raise BootstrapError(f"bootstrap peer {self.peer} speaks version {version}/kind {kind}; this side speaks {VERSION}/{KIND_JSON}")
-        if length > MAX_BODY_BYTES:
-            raise BootstrapError(f"bootstrap peer {self.peer} announced {length} bytes, more than {MAX_BODY_BYTES}")
+        expect = KIND_JSON if self._keys is None else KIND_SEALED
+        if version != VERSION or kind not in (KIND_JSON, KIND_SEALED):
+            raise BootstrapError(f"bootstrap peer {self.peer} speaks version {version}/kind {kind}; this side speaks "
+                                 f"{VERSION}/{expect}")
+        if kind != expect:
+            raise BootstrapError(f"bootstrap message #{self._received} from {self.peer[0]}:{self.peer[1]} is "
+                                 + ("not sealed, though this connection is: forged or altered on the way"
+                                    if expect == KIND_SEALED else "sealed, though this connection is not yet"))
+        if length > MAX_BODY_BYTES or length < (TAG_BYTES if kind == KIND_SEALED else 0):
+            raise BootstrapError(f"bootstrap peer {self.peer} announced {length} bytes, outside [0, {MAX_BODY_BYTES}]")
         body = self._recv_exact(length, wait, "bootstrap body")
+        if self._keys is not None:
+            body, tag = body[:-TAG_BYTES], body[-TAG_BYTES:]
+            if not hmac.compare_digest(tag, self._tag(self._keys[1], self._received, body)):
+                raise BootstrapError(f"bootstrap message #{self._received} from {self.peer[0]}:{self.peer[1]} fails "
+                                     f"its MAC: altered, forged, replayed or reordered on the way, or one before it "
+                                     f"was dropped")
+            self._received += 1
         try:
-            obj = json.loads(body)
+            return loads_object(body)
         except ValueError as exc:
-            raise BootstrapError(f"bootstrap peer {self.peer} sent malformed JSON: {exc}") from exc
-        if not isinstance(obj, dict):
-            raise BootstrapError(f"bootstrap peer {self.peer} sent {type(obj).__name__}, expected an object")
-        return obj
+            raise BootstrapError(f"bootstrap peer {self.peer} sent {exc}") from exc
 
     def _recv_exact(self, n: int, wait: Patience, what: str) -> bytes:
         buf = bytearray(n)
@@ -203,6 +306,13 @@ class Listener:
             raise BootstrapError(f"accept on {self.address} failed: {exc}", exc.errno) from exc
         return BootstrapConn(sock)
 
+    def stop(self) -> None:
+        """Wake a thread blocked in accept() at once (it gets a BootstrapError); close() still follows."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # (not listening any more, or already shut down)
+            pass
+
     def close(self) -> None:
         self.sock.close()
 
@@ -213,16 +323,32 @@ class Listener:
         self.close()
 
 
-def connect(host: str, port: int, timeout_s: float = 10.0) -> BootstrapConn:
-    """Connect to a bootstrap listener, retrying refused connections until `timeout_s` (the peer may start later)."""
-    deadline = time.monotonic() + timeout_s
-    pause = 0.02
-    while True:
-        left = deadline - time.monotonic()
+def connect(host: str, port: int, timeout_s: float = 10.0, source: Optional[str] = None) -> BootstrapConn:
+    """Connect to a bootstrap listener, retrying refused connections until `timeout_s` (the peer may start later).
+    `source`: the local address to connect from (see source_address)."""
+    return connect_with(host, port, Retry(timeout_s), source)
+
+
+def source_address(host: str) -> Optional[Tuple[str, int]]:
+    """Where a process that listens on `host` connects from: that address, so that its peers see the address they
+    know it by (their admission counts it as a party's: easypyverbs.admission); None (the kernel's choice) for a
+    wildcard or loopback address, or a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return None if ip.is_unspecified or ip.is_loopback else (str(ip), 0)
+
+
+def connect_with(host: str, port: int, retry: Retry, source: Optional[str] = None) -> BootstrapConn:
+    """`connect` under a given retry policy (its clock and wait are the caller's)."""
+    bind = source_address(source) if source else None
+    for _ in retry:
         try:
-            return BootstrapConn(socket.create_connection((host, port), timeout=max(left, 0.01)))
+            return BootstrapConn(socket.create_connection((host, port), timeout=max(retry.left_s(), 0.01),
+                                                          source_address=bind))
         except OSError as exc:
-            if time.monotonic() + pause >= deadline:
-                raise BootstrapError(f"cannot reach bootstrap peer {host}:{port} within {timeout_s} s: {exc}", exc.errno) from exc
-            time.sleep(pause)
-            pause = min(pause * 2, 0.5)
+            retry.failed(exc)
+    last = retry.last_error
+    raise BootstrapError(f"cannot reach bootstrap peer {host}:{port} within {retry.timeout_s} s "
+                         f"({retry.attempts} attempts): {last}", getattr(last, "errno", None)) from last

@@ -28,7 +28,8 @@ def as_byte_view(obj: Any, writable: bool = False) -> memoryview:
     try:
         mv = memoryview(obj)
     except TypeError as exc:
-        raise UsageError(f"{type(obj).__name__} does not expose a buffer; pass bytearray, mmap, numpy array, CPU tensor or memoryview") from exc
+        raise UsageError(f"{type(obj).__name__} does not expose a buffer; pass bytearray, mmap, numpy array, CPU "
+                         f"tensor or memoryview") from exc
     if not mv.c_contiguous:
         raise UsageError("buffer is not C-contiguous")
     if writable and mv.readonly:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from .api import CQ, MR, PD, QP, Context
 from .bootstrap import BootstrapConn
+from .capabilities import AttachToken
 from .errors import BootstrapError, EasyVerbsError
+from .resource import Resource
 from .types import QPCap, QPInfo, RemoteMR
 
 
@@ -68,7 +70,7 @@ def establish(
     """
     own_pd = pd is None
     pd = pd or ctx.alloc_pd()
-    made = []
+    made: List[Resource] = []
     try:
         if cq is not None:
             send_cq = recv_cq = cq
@@ -79,22 +81,25 @@ def establish(
             made.append(recv_cq)
         qp = pd.create_qp(send_cq, recv_cq, cap)
         made.append(qp)
+        if conn.sealed and isinstance(qp, AttachToken):  # (its data connection's token from the session)
+            qp.bind_attach(conn.attach_token)
         info = qp.info()
         host, _, port = info.gid.rpartition(":")
         if info.provider == "soft" and host in ("0.0.0.0", "::", "[::]"):
             info = dataclasses.replace(info, gid=f"{conn.local[0]}:{port}")
-        mine = {"qp": info.to_dict(), "mrs": {k: m.remote().to_dict() for k, m in (mrs or {}).items()}, "extra": extra or {}}
+        mine = {"qp": info.to_dict(), "mrs": {k: m.remote().to_dict() for k, m in (mrs or {}).items()},
+                "extra": extra or {}}
         theirs = conn.exchange(mine, timeout_s)
         if not isinstance(theirs.get("mrs"), dict) or not isinstance(theirs.get("extra", {}), dict):
             raise BootstrapError("peer's connection descriptor lacks 'mrs' or has a bad 'extra'")
-        remote_info = QPInfo.from_dict(theirs.get("qp"))  # type: ignore[arg-type]
+        remote_info = QPInfo.from_dict(theirs.get("qp"))
         remote_mrs = {str(k): RemoteMR.from_dict(v) for k, v in theirs["mrs"].items()}
         qp.connect(remote_info, timeout_s, conn.patient_until)
         ack = conn.exchange({"ready": True}, timeout_s)  # both QPs in RTS before either side posts
         if ack.get("ready") is not True:
             raise BootstrapError("peer did not confirm the connection")
-        return RCConnection(ctx, pd, send_cq, recv_cq, qp, conn, remote_mrs, theirs.get("extra", {}), own_pd, owns_bootstrap,
-                            cq is None)
+        return RCConnection(ctx, pd, send_cq, recv_cq, qp, conn, remote_mrs, theirs.get("extra", {}), own_pd,
+                            owns_bootstrap, cq is None)
     except (EasyVerbsError, OSError):
         for r in reversed(made):
             r.abort()

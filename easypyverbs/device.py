@@ -6,9 +6,10 @@ logs which and why. The choice can also come from configuration: `provider=` her
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .api import Context
 from .errors import NoDeviceError, UsageError
@@ -17,6 +18,30 @@ from .providers.soft.link import LinkModel
 log = logging.getLogger("easypyverbs")
 
 PROVIDERS = ("auto", "pyverbs", "soft")
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+    """What the soft provider (verbs emulated over TCP or shared memory) takes should it be the provider
+    opened; a real device has no use for any of it. None leaves the provider's default.
+
+    link: a `LinkModel` or "rate=10gbit,rtt=20ms,loss=0.0001" (else `EASYPYVERBS_SOFT_LINK`); a real device
+        refuses one (UsageError) rather than ignore it.
+    bind_host: the address its data connections listen on, where the soft provider was asked for by name
+        (`auto` falling back to it binds loopback).
+    same_host, retry_timeout_s, tls: as the soft provider's options of those names.
+    known_sources: whether a source address is a peer's the caller expects (the job's parties): the soft NIC
+        admits its data connections on slots strangers cannot take (easypyverbs.admission).
+    ports: (low, high): the soft NIC's data listener takes the first free port of that range (a firewall can
+        then name them), else any free port.
+    """
+    link: Union[None, str, LinkModel] = None
+    bind_host: Optional[str] = None
+    same_host: Optional[bool] = None
+    retry_timeout_s: Optional[float] = None
+    tls: Any = None
+    known_sources: Optional[Callable[[str], bool]] = None
+    ports: Optional[Tuple[int, int]] = None
 
 
 def pyverbs_status() -> Tuple[bool, str, List[str]]:
@@ -35,7 +60,8 @@ def choose_provider(requested: str = "auto") -> Tuple[str, str]:
     ok, why, devices = pyverbs_status()
     if ok and devices:
         return "pyverbs", f"RDMA device(s) found: {', '.join(devices)}"
-    return "soft", f"no RDMA device usable ({why}); using the soft provider (emulated verbs over TCP or, on one host, shared memory; not RDMA)"
+    return "soft", (f"no RDMA device usable ({why}); using the soft provider (emulated verbs over TCP or, on one "
+                    f"host, shared memory; not RDMA)")
 
 
 def open_device(
@@ -43,6 +69,7 @@ def open_device(
     provider: Optional[str] = None,
     *,
     link: Union[None, str, LinkModel] = None,
+    emulation: Optional[Emulation] = None,
     **options: Any,
 ) -> Context:
     """Open a verbs device.
@@ -54,10 +81,23 @@ def open_device(
     options: provider-specific: soft takes bind_host, advertise_host, max_msg_bytes,
         rnr_timeout_s, retry_timeout_s, same_host, tls (an `easypyverbs.tls.MutualTLS`: mutual TLS
         on every data connection); pyverbs takes port_num, gid_index.
+    emulation: the soft provider's options as one typed object (`Emulation`), applied only if it is chosen,
+        so that a caller need not know which provider `auto` picks.
     """
     requested = provider or os.environ.get("EASYPYVERBS_PROVIDER", "auto")
     chosen, why = choose_provider(requested)
     log.info("easypyverbs: provider %s (%s)", chosen, why)
+    if emulation is not None:
+        if link is None:
+            link = emulation.link
+        if chosen == "soft":
+            given = (("same_host", emulation.same_host), ("retry_timeout_s", emulation.retry_timeout_s),
+                     ("tls", emulation.tls), ("known_sources", emulation.known_sources),
+                     ("ports", emulation.ports))
+            extra = {k: v for k, v in given if v is not None}
+            if emulation.bind_host is not None and requested == "soft":
+                extra["bind_host"] = emulation.bind_host
+            options = {**extra, **options}
     if chosen == "soft":
         from .providers.soft import SoftContext
 

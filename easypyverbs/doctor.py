@@ -83,19 +83,21 @@ def render(rep: Dict[str, Any]) -> str:
     else:
         lines.append(f"  devices     none ({p['detail']})")
     s = rep["soft"]
-    lines.append(f"  soft        available: {s['label']} -- an emulation, not RDMA; figures from it are not RDMA figures")
+    lines.append(f"  soft        available: {s['label']} -- an emulation, not RDMA; figures from it are not RDMA "
+                 f"figures")
     if s["link_model_env"]:
         lines.append(f"              link model from EASYPYVERBS_SOFT_LINK: {s['link_model_env']}")
     sh = s["same_host_path"]
-    lines.append(f"              same-host path to peers on this machine (shared memory mapped, else process_vm_readv): "
-                 f"{'on' if sh['on'] else 'off'} ({sh['why']}"
-                 + (f"; copies of 2 MiB and more split over {sh['copy_threads']} threads" if sh.get("copy_threads", 1) > 1 else "")
+    split = f"; copies of 2 MiB and more split over {sh['copy_threads']} threads"
+    lines.append(f"              same-host path to peers on this machine (shared memory mapped, else "
+                 f"process_vm_readv): {'on' if sh['on'] else 'off'} ({sh['why']}"
+                 + (split if sh.get("copy_threads", 1) > 1 else "")
                  + "); EASYPYVERBS_SOFT_SAME_HOST=off forces TCP")
     if sh["on"]:
         lines.append(f"              shared memory (memfd senders' buffers, read through a mapping at memcpy speed): "
                      f"{'on' if sh.get('shared_memory') else 'off'} ({sh.get('shared_memory_why', '')})")
-        lines.append(f"              push (the sender copies WRITEs of {sh.get('push_min_bytes', 0) >> 20} MiB and more into a "
-                     f"receiver's shared-memory slots itself, another process of this host): "
+        lines.append(f"              push (the sender copies WRITEs of {sh.get('push_min_bytes', 0) >> 20} MiB and "
+                     f"more into a receiver's shared-memory slots itself, another process of this host): "
                      f"{'on' if sh.get('push') else 'off'}; a receiver takes it only while it copies another WRITE "
                      f"(else it reads faster itself); EASYPYVERBS_SOFT_PUSH=always: every one, off: none")
     lines.append("              WRITEs into tracked MRs digested as they land (MR.track_writes: fate-rdma's "

@@ -9,10 +9,11 @@ from __future__ import annotations
 import abc
 import threading
 import weakref
-from typing import List, Optional
+from typing import List, Optional, TypeVar
 
 from .errors import UsageError
 
+_R = TypeVar("_R", bound="Resource")
 _LIVE: "weakref.WeakSet[Resource]" = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
@@ -70,7 +71,7 @@ class Resource(abc.ABC):
     def _close_impl(self) -> None:  # overridden by providers
         pass
 
-    def __enter__(self):
+    def __enter__(self: _R) -> _R:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,10 +2,52 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Dict, Optional, Tuple
 
 from .enums import WCOpcode, WCStatus
 from .errors import BootstrapError
+
+
+class DataPath(enum.Enum):
+    """How a QP's payloads move (QP.path_kind), as a flow-control policy needs to know it: a provider reports
+    it, and a policy reads its properties rather than the provider's name."""
+
+    #: a NIC places them (real RDMA): sent at line rate, each completion one round trip after its post
+    RDMA = "rdma"
+    #: verbs emulated over one TCP stream per QP and direction: TCP's congestion control paces them
+    TCP_EMULATED = "tcp-emulated"
+    #: as TCP_EMULATED, through an emulated link (rate, delay, loss) that paces them as a wire would
+    LINK_EMULATED = "link-emulated"
+    #: verbs emulated between two processes of one host: the peer copies the bytes (no wire); requests and
+    #: answers still travel a TCP stream
+    SAME_HOST_EMULATED = "same-host-emulated"
+
+    @property
+    def emulated(self) -> bool:
+        """Verbs emulated in software (not RDMA)."""
+        return self is not DataPath.RDMA
+
+    @property
+    def paced_by_nic(self) -> bool:
+        """A NIC sends the bytes and completes them (else software over TCP does, completion by completion)."""
+        return self is DataPath.RDMA
+
+    @property
+    def paced_by_tcp(self) -> bool:
+        """The bytes cross a TCP stream paced by nothing but TCP (no NIC, no emulated link)."""
+        return self is DataPath.TCP_EMULATED
+
+    @property
+    def has_link(self) -> bool:
+        """A link lies between the two ends that a first small transfer may bring up (a NIC's, or an emulated
+        one); not a TCP stream, which is up since connect, nor a copy on one host."""
+        return self in (DataPath.RDMA, DataPath.LINK_EMULATED)
+
+    @property
+    def same_host(self) -> bool:
+        """The payload is a copy between two processes of one host."""
+        return self is DataPath.SAME_HOST_EMULATED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +121,7 @@ class QPInfo:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "QPInfo":
+    def from_dict(cls, d: Any) -> "QPInfo":  # (a peer's: checked here)
         what = "QPInfo from peer"
         if not isinstance(d, dict):
             raise BootstrapError(f"{what}: expected an object, got {type(d).__name__}")
@@ -93,7 +135,8 @@ class QPInfo:
             max_msg_bytes=_need(d, "max_msg_bytes", int, what),
             token=d.get("token", ""),
         )
-        if not isinstance(info.token, str) or len(info.token) > 64 or any(c not in "0123456789abcdef" for c in info.token):
+        if not isinstance(info.token, str) or len(info.token) > 64 \
+                or any(c not in "0123456789abcdef" for c in info.token):
             raise BootstrapError(f"{what}: token must be at most 64 lowercase hex digits")
         if not (0 <= info.qpn < 1 << 24 and 0 <= info.psn < 1 << 24):
             raise BootstrapError(f"{what}: qpn/psn out of the 24-bit range")
@@ -112,7 +155,7 @@ class RemoteMR:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "RemoteMR":
+    def from_dict(cls, d: Any) -> "RemoteMR":  # (a peer's: checked here)
         what = "RemoteMR from peer"
         if not isinstance(d, dict):
             raise BootstrapError(f"{what}: expected an object, got {type(d).__name__}")

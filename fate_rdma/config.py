@@ -6,7 +6,7 @@ Defaults and the network each was chosen for are written beside them (STYLE.md Â
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .errors import ConfigError
 
@@ -14,17 +14,28 @@ MiB = 1 << 20
 MODES = ("fedrdma", "fedrdma-e")
 
 
-def is_loopback_host(host: str) -> bool:
-    """Is `host` (a name or address as written in a configuration) this machine's loopback? "localhost" or a
-    loopback address (127.0.0.0/8, ::1, [::1]); any other name is not, whatever it starts with."""
-    import ipaddress
+def port_range(text: Any) -> Optional[Tuple[int, int]]:
+    """(low, high) of a "LOW-HIGH" port range (a single port: "P"), or None where it is not one."""
+    low, _, high = str(text).strip().partition("-")
+    high = high or low
+    if not (low.strip().isdigit() and high.strip().isdigit()):
+        return None
+    lo, hi = int(low), int(high)
+    return (lo, hi) if 1 <= lo <= hi <= 65535 else None
 
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+
+def resolve_checksum(checksum: str, keyed: bool) -> str:
+    """What checksum "auto" means: a keyed MAC where connections have a session key (`keyed`: a secret_file or
+    TLS), else XXH3; any other value stands."""
+    return ("blake3" if keyed else "xxh3") if checksum == "auto" else checksum
+
+
+def is_loopback_host(host: str) -> bool:
+    """Is `host` (a name or address as written in a configuration) this machine's loopback? (easypyverbs'
+    is_loopback: "localhost" or a loopback address, 127.0.0.0/8, ::1, [::1]; any other name is not)"""
+    from easypyverbs.admission import is_loopback
+
+    return is_loopback(host)
 
 
 def _tls_files_problem(cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional[str]:
@@ -32,23 +43,23 @@ def _tls_files_problem(cert: Optional[str], key: Optional[str], ca: Optional[str
     import os
     import stat
 
-    missing = [n for n, v in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)) if not v]
-    if missing:
+    if not (cert and key and ca):
+        missing = [n for n, v in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)) if not v]
         return (f"tls: true needs tls_cert, tls_key and tls_ca (PEM files; `fate-rdma tls init` makes them); "
                 f"missing {', '.join(missing)}")
     for name, path in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
         try:
-            with open(path, "rb"):  # type: ignore[arg-type]
+            with open(path, "rb"):
                 pass
         except OSError as exc:
             return f"{name} {path} cannot be read: {exc.strerror or exc}"
-    mode = stat.S_IMODE(os.stat(key).st_mode)  # type: ignore[arg-type]
+    mode = stat.S_IMODE(os.stat(key).st_mode)
     if mode & stat.S_IRWXO:
         return f"tls_key {key} is accessible to other users (mode {mode:o}); chmod 600 it"
     return None
 
 
-#: no_progress_timeout_s unless set (30 s until 2026-11-27; see ChannelConfig)
+#: no_progress_timeout_s unless set: longer than the longest GIL hold of a peer (see ChannelConfig)
 NO_PROGRESS_DEFAULT_S = 120.0
 
 
@@ -59,7 +70,7 @@ class ChannelConfig:
     #: 4 MiB: the paper's best chunk from 4 Gbit/s up; small enough to survive a lossy WAN per chunk
     chunk_bytes: int = 4 * MiB
     #: chunks in flight; "auto" = bandwidth-delay product / chunk (+1), from an RTT probe at connect time
-    #: (the soft provider: 6 BDPs, policy.WINDOW_BDPS)
+    #: (an emulated path: 6 BDPs, policy.SOFTWARE_WINDOW_BDPS)
     window: Union[int, str] = "auto"
     #: upper bound of the automatic window; 64 x 4 MiB = 256 MiB covers 10 Gbit/s x 200 ms
     max_window: int = 64
@@ -82,11 +93,18 @@ class ChannelConfig:
     #: nominal link rate for the automatic window; None = the soft link model's rate, else 10 Gbit/s
     link_rate_bps: Optional[float] = None
     #: what this endpoint requires of every transfer it receives (and sends with; both sides must agree):
-    #: "xxh3" an XXH3-128 tag end to end (the default: against accidents, 128 bits, half crc32c's CPU),
-    #: "crc32c" (32 bits, hardware-accelerated; earlier fate-rdma's default: parties that differ do not
-    #: connect, see the README's "Integrity" for upgrading), "blake2b" a keyed BLAKE2b MAC of the payload, metadata
-    #: and header fields (against a man in the middle; needs secret_file), or "none"
-    checksum: str = "xxh3"
+    #: "auto" (the default) a keyed MAC ("blake3") wherever connections have a session key (secret_file or
+    #: tls), else "xxh3"; "blake3" a keyed BLAKE3 MAC of the payload, metadata and header fields, keyed per
+    #: connection and direction (a relay on the path can neither alter nor re-tag a payload); "blake2b" the
+    #: same with BLAKE2b (~5 x BLAKE3's CPU here; for parties that predate blake3); "xxh3" an
+    #: XXH3-128 tag (against accidents only: anyone can recompute it), "crc32c" (32 bits), or "none". An
+    #: endpoint that listens off loopback with a secret or TLS takes an unkeyed one only under
+    #: `integrity: unkeyed`
+    checksum: str = "auto"
+    #: "keyed" (the default): an endpoint listening off loopback whose connections are authenticated (secret_file
+    #: or tls) refuses to start with an unkeyed checksum (xxh3, crc32c, none), which a relay on the path could
+    #: recompute over altered weights; "unkeyed": allow it there (site only; logged at start as a warning)
+    integrity: str = "keyed"
     #: FedRDMA-E receive slots per peer, and the largest payload one slot takes: a slot grows to it on
     #: demand (the sender asks before its first WRITE; the receiver reserves from memory_budget_bytes)
     pool_slots: int = 2
@@ -112,6 +130,7 @@ class ChannelConfig:
     #: GPT-2 small on a 2-core VM, more for larger models) stops its channel meanwhile (easypyverbs.stalls;
     #: the held process logs each hold). A peer that is gone ends the transfer at once, whatever this says
     no_progress_timeout_s: float = NO_PROGRESS_DEFAULT_S
+    #: a transfer not done this long after it started fails (TransferTimeout), whatever its progress
     transfer_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
     #: verbs provider: "auto", "pyverbs" or "soft"; device name for pyverbs
@@ -125,16 +144,14 @@ class ChannelConfig:
     #: environment switches it off too (every endpoint of the process, whatever this says)
     same_host: bool = True
     #: FedRDMA-E's chunk on that same-host path, where a chunk is only a unit of copying (no wire to pace)
-    #: and each costs a request, an answer and thread switches (1-2 ms a chunk on 2 cores): 1 GiB with XXH3,
-    #: alternated runs of `bench transfer` (2026-12-01): 32 MiB chunks 0.228-0.242 s, 64/128/256 MiB
-    #: 0.207-0.213 s. At least chunk_bytes; 0 = chunk_bytes
+    #: and each costs a request, an answer and thread switches: 64 MiB is the smallest chunk that gets all
+    #: of the gain of fewer chunks (docs/benchmarks.md). At least chunk_bytes; 0 = chunk_bytes
     same_host_chunk_bytes: int = 64 * MiB
     #: FedRDMA-E's chunk on the soft provider's TCP path with no link model (sites without RDMA NICs, or
     #: same_host off) once the RTT probe has measured a short path (< 10 ms: a LAN, this host): TCP cuts and
-    #: resends the bytes, so a chunk is only a unit of a WRITE, and each costs a request, an ACK and ~0.2 ms of
-    #: Python at the sender (perf). 1 GiB over loopback TCP, checksum none, 2 cores: 4 MiB chunks 0.86-0.94 x raw
-    #: TCP, 32 MiB 0.96-1.01 x (`bench transfer`, docs/FIGURES.md). A long path, an RDMA device and the link model
-    #: keep chunk_bytes.
+    #: resends the bytes, so a chunk is only a unit of a WRITE, and each costs a request, an ACK and Python
+    #: time at the sender: larger chunks cost less per byte (docs/benchmarks.md). A long path, an RDMA device
+    #: and the link model keep chunk_bytes.
     #: At least chunk_bytes; 0 = chunk_bytes
     tcp_chunk_bytes: int = 32 * MiB
     #: progress bar for long transfers (CLI); off in library use
@@ -149,6 +166,10 @@ class ChannelConfig:
     #: that are not private; each side's certificate must name its party (commonName or URI SAN
     #: "fate-rdma:<party>"); `fate-rdma tls init` makes a CA and the parties' certificates
     tls: bool = False
+    #: an endpoint that listens off loopback authenticates its peers by certificate (tls: true); false (the default)
+    #: refuses to start it on the federation's shared secret alone. true allows that (site only, logged as a warning):
+    #: members can impersonate each other, since every party holds the secret and may claim another's name
+    shared_secret_only: bool = False
     #: PEM files, per site (never in a job conf): this party's certificate, its key (not readable by
     #: other users), the federation CA's certificate
     tls_cert: Optional[str] = None
@@ -159,6 +180,25 @@ class ChannelConfig:
     #: receive memory (FedRDMA-E pools, FedRDMA staging and reassembly) one endpoint may hold;
     #: None = half of this machine's memory. A peer or transfer that would exceed it is refused.
     memory_budget_bytes: Optional[int] = None
+    #: the most of memory_budget_bytes one peer may hold (its receive slots, staging and reassembly buffers, on
+    #: all of its connections), so that one party cannot take what the others need; a refusal tells the peer
+    #: only that it is over this endpoint's limit for it. 0.5: an arbiter receives from every client at once, and
+    #: N >= 2 uploads that fit the budget together are each at most 1/N <= 1/2 of it, so no FedAvg job that
+    #: fits is refused, while one client never holds more than half and the others share the rest. A party
+    #: that receives from one peer only (a FedAvg client, a two-party job) uses at most half its budget: size
+    #: memory_budget_bytes for twice that peer's largest payload there, or raise this to 1.0 at a site with one
+    #: peer. An arbiter of N >= 3 clients whose budget is tight may lower it to 1/N: each client is then sure of
+    #: its upload whatever the others do (docs/security.md)
+    peer_budget_fraction: float = 0.5
+    #: Prometheus metrics (site only): a folder where this site's processes write their samples for the site's
+    #: exporter (`fate-rdma exporter --dir` the same folder; docs/operations.md#metrics); None: off
+    metrics_dir: Optional[str] = None
+    #: the soft provider's data listener (its emulated NIC, one per process with an endpoint): the first free
+    #: port of "LOW-HIGH", so that a firewall can allow exactly those (site only); null: any free port
+    soft_data_ports: Optional[str] = None
+    #: the line each transfer of 1 MiB or more leaves in the log (logger fate_rdma.transfers, INFO): "text", or
+    #: "json" (one JSON object: peer, bytes, seconds, gbit_s, mode, provider, path, integrity, ok, error)
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -172,24 +212,29 @@ class ChannelConfig:
             bad(f"same_host_chunk_bytes must be 0 or within [4096, 1 GiB], got {self.same_host_chunk_bytes}")
         if self.tcp_chunk_bytes and not 4096 <= self.tcp_chunk_bytes <= 1 << 30:
             bad(f"tcp_chunk_bytes must be 0 or within [4096, 1 GiB], got {self.tcp_chunk_bytes}")
-        if self.window != "auto" and (not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1):
+        if self.window != "auto" and (not isinstance(self.window, int) or isinstance(self.window, bool)
+                                      or self.window < 1):
             bad(f"window must be 'auto' or an integer >= 1, got {self.window!r}")
         if not 1 <= self.min_auto_window <= self.max_window <= 1024:
             bad(f"need 1 <= min_auto_window <= max_window <= 1024, got {self.min_auto_window}, {self.max_window}")
         if isinstance(self.window, int) and self.window > self.max_window:
             bad(f"window {self.window} exceeds max_window {self.max_window}")
-        if self.qps_per_peer != "auto" and (isinstance(self.qps_per_peer, bool) or not isinstance(self.qps_per_peer, int)
+        if self.qps_per_peer != "auto" and (isinstance(self.qps_per_peer, bool)
+                                            or not isinstance(self.qps_per_peer, int)
                                             or not 1 <= self.qps_per_peer <= 16):
             bad(f"qps_per_peer must be 'auto' or within [1, 16], got {self.qps_per_peer!r}")
         if self.link_enable not in (True, False, "auto"):
             bad(f"link_enable must be true, false or 'auto', got {self.link_enable!r}")
         if self.link_rate_bps is not None and self.link_rate_bps <= 0:
             bad("link_rate_bps must be positive")
-        if self.checksum not in ("crc32c", "xxh3", "blake2b", "none"):
-            bad(f"checksum must be 'crc32c', 'xxh3', 'blake2b' or 'none', got {self.checksum!r}")
-        if self.checksum == "blake2b" and not self.secret_file:
-            bad("checksum: blake2b needs authentication (secret_file): its MAC is keyed by the session key that "
-                "each authenticated connection derives from the federation's secret")
+        if self.checksum not in ("auto", "crc32c", "xxh3", "blake3", "blake2b", "none"):
+            bad(f"checksum must be 'auto', 'crc32c', 'xxh3', 'blake3', 'blake2b' or 'none', got {self.checksum!r}")
+        object.__setattr__(self, "checksum", resolve_checksum(self.checksum, self.keyed))
+        if self.checksum in ("blake3", "blake2b") and not self.keyed:
+            bad(f"checksum: {self.checksum} needs authenticated connections (secret_file or tls): its MAC is keyed "
+                f"by the session key that each authenticated connection derives")
+        if self.integrity not in ("keyed", "unkeyed"):
+            bad(f"integrity must be 'keyed' or 'unkeyed', got {self.integrity!r}")
         if not 1 <= self.pool_slots <= 1024:
             bad(f"pool_slots must be within [1, 1024], got {self.pool_slots}")
         if self.slot_bytes < 1:
@@ -222,14 +267,30 @@ class ChannelConfig:
             bad("auth: none and a secret_file contradict each other")
         if not isinstance(self.tls, bool):
             bad(f"tls must be true or false, got {self.tls!r}")
+        if not isinstance(self.shared_secret_only, bool):
+            bad(f"shared_secret_only must be true or false, got {self.shared_secret_only!r}")
         if self.tls:
             problem = _tls_files_problem(self.tls_cert, self.tls_key, self.tls_ca)
             if problem:
                 bad(problem)
+        if self.metrics_dir is not None and (not isinstance(self.metrics_dir, str) or not self.metrics_dir.strip()):
+            bad(f"metrics_dir must be a folder's path or null, got {self.metrics_dir!r}")
+        if self.soft_data_ports is not None and port_range(self.soft_data_ports) is None:
+            bad(f"soft_data_ports must be LOW-HIGH with 1 <= LOW <= HIGH <= 65535, got {self.soft_data_ports!r}")
+        if self.log_format not in ("text", "json"):
+            bad(f"log_format must be text or json, got {self.log_format!r}")
         if not 1 <= self.max_pending_handshakes <= 1024:
             bad(f"max_pending_handshakes must be within [1, 1024], got {self.max_pending_handshakes}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1 << 20:
             bad(f"memory_budget_bytes must be at least 1 MiB, got {self.memory_budget_bytes}")
+        if isinstance(self.peer_budget_fraction, bool) or not isinstance(self.peer_budget_fraction, (int, float)) \
+                or not 0 < self.peer_budget_fraction <= 1:
+            bad(f"peer_budget_fraction must be within (0, 1], got {self.peer_budget_fraction!r}")
+
+    @property
+    def keyed(self) -> bool:
+        """Connections have a session key: they authenticate by the federation's secret or run inside TLS."""
+        return bool(self.secret_file) or self.tls is True
 
     @property
     def budget_bytes(self) -> int:
@@ -243,13 +304,18 @@ class ChannelConfig:
         except (ValueError, OSError, AttributeError):
             return 8 << 30
 
+    @property
+    def peer_budget_bytes(self) -> int:
+        """The part of budget_bytes one peer may hold (peer_budget_fraction of it)."""
+        return int(self.budget_bytes * self.peer_budget_fraction)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "ChannelConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ConfigError(f"fate-rdma config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            raise ConfigError(f"fate-rdma config: unknown key(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(names))}")
         return cls(**d)
 
     @classmethod

@@ -37,7 +37,10 @@ def thp_mode(path: str = THP_ENABLED) -> Optional[str]:
 
 def _glibc() -> Optional[Tuple[int, int]]:
     try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # type: ignore[union-attr]
+        found = os.confstr("CS_GNU_LIBC_VERSION")
+        if found is None:
+            return None
+        name, version = found.split()
         major, minor = version.split(".")[:2]
         return (int(major), int(minor)) if name == "glibc" else None
     except (AttributeError, ValueError, OSError):

@@ -4,7 +4,7 @@ Set FATE_RDMA_TRACE to a folder and every process of a job writes `trace-<pid>.j
 per event, `{"t": CLOCK_MONOTONIC seconds, "ev": name, "who": party, ...}`. CLOCK_MONOTONIC is one clock for
 every process of a host, so the files of a single-host job line up without any clock sync (across hosts
 they do not: compare within a party there). `fate-rdma bench timeline FOLDER` reads them back
-(fate_rdma/bench/timeline.py). Unset (the default), an event costs one test of a module global.
+(the lab's fate_rdma_lab/bench/timeline.py). Unset (the default), an event costs one test of a module global.
 
 The events, by where they happen (`tid`: the channel's transfer id, which both ends see; unique per sending
 process, so a timeline joins a sender's events and a receiver's on (party, tid)):

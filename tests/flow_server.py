@@ -20,11 +20,32 @@ import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Optional
 
-from fate_rdma.bench.local import free_ports
+from fate_rdma_lab.bench.local import free_ports
 
 
 def free_port() -> int:
     return free_ports(1)[0]  # below the ephemeral range: not taken by an outgoing connection before it is bound
+
+
+#: settings.py's paths that `fate_flow init --home` rewrites in the installed package (a user's init of this
+#: venv's fate-flow): the copy takes this home's instead, so that no test server shares a user's database,
+#: logs or conf
+_SETTINGS_PATHS = {"DATA_DIR": "data", "MODEL_DIR": "model", "JOB_DIR": "jobs", "LOG_DIR": "logs",
+                   "UPLOAD_DATA_HOME": "upload", "SQLITE_FILE_NAME": "fate_flow_sqlite.db",
+                   "DEFAULT_SERVER_CONF_PATH": "conf"}
+
+
+def _own_paths(settings: str, home: str) -> None:
+    """The copied settings.py with every path `fate_flow init --home` may have set pointing into `home`."""
+    import re
+
+    with open(settings) as f:
+        text = f.read()
+    for key, sub in _SETTINGS_PATHS.items():
+        if re.search(rf"^{key}\s*=\s*\"/", text, flags=re.M):  # (an absolute path: a user's init set it)
+            text = re.sub(rf"^{key}\s*=.*$", f'{key} = "{os.path.join(home, sub)}"', text, flags=re.M)
+    with open(settings, "w") as f:
+        f.write(text)
 
 
 class FlowServer:
@@ -49,6 +70,7 @@ class FlowServer:
         src = os.path.dirname(os.path.abspath(fate_flow.__file__))
         dst = os.path.join(self.home, "python", "fate_flow")
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        _own_paths(os.path.join(dst, "settings.py"), self.home)
         shutil.copytree(os.path.join(src, "conf"), os.path.join(self.home, "conf"))
         shutil.copy(os.path.join(src, "fateflow.env"), os.path.join(self.home, "fateflow.env"))
         conf_path = os.path.join(self.home, "conf", "service_conf.yaml")

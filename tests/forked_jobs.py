@@ -23,7 +23,7 @@ import sys
 import time
 
 HEAVY = ("torch", "transformers", "datasets", "peft", "fate.arch", "fate.ml.nn.homo.fedavg",
-         "fate_llm.algo.fedavg.fedavg", "fate_llm.trainer.seq2seq_trainer", "fate_rdma.llm.gpt2_fedavg")
+         "fate_llm.algo.fedavg.fedavg", "fate_llm.trainer.seq2seq_trainer", "fate_rdma_lab.llm.gpt2_fedavg")
 
 
 def _fork_start_method() -> None:

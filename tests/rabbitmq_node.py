@@ -16,7 +16,7 @@ import urllib.request
 from base64 import b64encode
 from typing import Dict, List, Optional
 
-from fate_rdma.bench.local import free_ports
+from fate_rdma_lab.bench.local import free_ports
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 INSTALL_HINT = "run deploy/install-rabbitmq.sh as root (`make test` does), i.e. apt-get install rabbitmq-server"

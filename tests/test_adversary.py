@@ -5,7 +5,9 @@ nothing reaches the application, and that a legitimate party keeps exchanging ve
 Figures (memory, threads) are printed with -s."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import secrets
 import socket
 import struct
@@ -15,13 +17,15 @@ import crc32c
 import pytest
 
 from fate_rdma import errors as E
-from fate_rdma.bench.driver import PeerProcess
+from fate_rdma_lab.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel import transfer
-from fate_rdma.channel.auth import authenticate, write_secret
+from fate_rdma.channel.auth import authenticate, seal, write_secret
 from fate_rdma.config import ChannelConfig
 
 import easypyverbs as ev
+
+from . import relay as relay_mod
 
 CHUNK = 64 * 1024
 MODES = ["fedrdma", "fedrdma-e"]
@@ -51,9 +55,9 @@ def cfg(mode: str, secret_file=None, **kw) -> ChannelConfig:
 class Victim:
     """An endpoint in another process that records what it receives and reports its resources."""
 
-    def __init__(self, config: ChannelConfig, allowed=("client-a",)) -> None:
-        self.proc = PeerProcess(module="fate_rdma.bench.transfer_peer")
-        r = self.proc.cmd({"cmd": "endpoint", "config": dict(config.__dict__), "record": True,
+    def __init__(self, config: ChannelConfig, allowed=("client-a",), name=None) -> None:
+        self.proc = PeerProcess(module="fate_rdma_lab.bench.transfer_peer")
+        r = self.proc.cmd({"cmd": "endpoint", "config": dict(config.__dict__), "record": True, "name": name,
                            "allowed_peers": None if allowed is None else list(allowed)})
         self.address = r["address"]
         self.count = 0
@@ -170,7 +174,7 @@ def test_one_source_cannot_take_every_handshake_slot(secret):
     """Strangers from one address that open connections and fall silent hold at most a quarter of the
     pending-handshake slots of an endpoint on a routable address, so a party from elsewhere gets in
     while they wait for their deadline (without that cap they held every slot until it passed)."""
-    victim_cfg = cfg("fedrdma-e", secret, max_pending_handshakes=8, connect_timeout_s=20)
+    victim_cfg = cfg("fedrdma-e", secret, max_pending_handshakes=8, connect_timeout_s=20, shared_secret_only=True)
     with Endpoint(victim_cfg, host="0.0.0.0", allowed_peers=["client-a"]) as victim:
         port = int(victim.address.rpartition(":")[2])
         victim.name = f"127.0.0.1:{port}"  # what the party dials, and the name the victim proves
@@ -237,6 +241,7 @@ def test_forged_hello_is_refused_naming_the_field(secret):
 
         who = authenticate(boot, "client-a", load_secret(secret), dialer=True, timeout_s=5)
         assert who.authenticated and who.name == victim.address
+        seal(boot, who, dialer=True)  # (what an endpoint does next: every later message carries a MAC)
         boot.send({"fate_rdma": 1, "name": "client-a", "qps": 1, "staging": None,
                    "pool": {"slots": 0, "slot_payload_bytes": "lots", "meta_cap": 1}})
         with pytest.raises(ev.BootstrapError):  # the victim closed the connection
@@ -244,6 +249,7 @@ def test_forged_hello_is_refused_naming_the_field(secret):
             boot.recv(timeout_s=5)
         boot.close()
         assert victim.stats()["budget_held_bytes"] == 0
+        assert "hello from" in victim.stats()["last_refusal"] and "'slots'" in victim.stats()["last_refusal"]
         legit_round_trip(victim, "fedrdma-e", secret)
     finally:
         victim.close()
@@ -254,7 +260,7 @@ def test_memory_budget_refuses_before_allocating(secret):
     victim = Victim(cfg("fedrdma", secret, memory_budget_bytes=8 << 20))
     try:
         with Endpoint(cfg("fedrdma", secret), name="client-a") as ep:
-            with pytest.raises(E.PayloadTooLarge, match="memory budget"):
+            with pytest.raises(E.PayloadTooLarge, match="exceeds the receiver's limit for this peer"):
                 ep.send(victim.address, bytes(16 << 20)).result(30)
             assert victim.stats()["budget_held_bytes"] < 2 << 20  # only the staging buffers
         legit_round_trip(victim, "fedrdma", secret)
@@ -268,12 +274,13 @@ def test_memory_budget_refuses_before_allocating(secret):
             ep.send(victim.address, b"x").result(10)
             victim.expect()
             before = victim.stats()
-            with pytest.raises(E.PayloadTooLarge, match="memory budget"):
+            with pytest.raises(E.PayloadTooLarge, match="exceeds the receiver's limit for this peer"):
                 ep.send(victim.address, bytes(12 << 20)).result(30)
             st = victim.stats()
             assert st["budget_held_bytes"] == before["budget_held_bytes"] < 3 << 20  # the two initial slots only
             assert st["pool_bytes"] == before["pool_bytes"] and st["rss_bytes"] < before["rss_bytes"] + (4 << 20)
-        legit_round_trip(victim, "fedrdma-e", secret, nbytes=5 << 20, slot_bytes=16 << 20)  # within the budget: grows
+        # within this peer's part of the budget (peer_budget_fraction: half): grows
+        legit_round_trip(victim, "fedrdma-e", secret, nbytes=2 << 20, slot_bytes=16 << 20)
     finally:
         victim.close()
     # a pool whose initial slots do not fit the budget is never registered: the connection is refused
@@ -335,7 +342,7 @@ def test_held_slot_is_not_writable_by_the_sender(secret, provider, monkeypatch):
         msg = victim.recv(timeout=20)
         assert bytes(msg.view) == data
         qp = conn.rcs[0].qp
-        junk = client.pd.reg_mr(bytearray(b"\xee" * 4096), ev.Access.LOCAL_WRITE)
+        junk = conn.pd.reg_mr(bytearray(b"\xee" * 4096), ev.Access.LOCAL_WRITE)
         try:
             qp.post_write(junk.sge(0, 4096), granted[0], remote_offset=64 + 65536, wr_id=999)
             deadline = time.monotonic() + 10
@@ -389,17 +396,163 @@ def test_peer_cannot_read_back_receive_memory(secret, provider, mode, monkeypatc
             target, at = conn.slot_sender.slot_mrs[slot], conn.slot_sender.offer.offset_in_slot(0)  # the payload
         else:
             target, at = conn.remote["staging"], conn.staged_sender.offer.data_offset(0)
-        sink = client.pd.reg_mr(bytearray(4096), ev.Access.LOCAL_WRITE)
+        landed = bytearray(4096)  # (read after the connection is gone: its MRs went with its protection domain)
+        sink = conn.pd.reg_mr(landed, ev.Access.LOCAL_WRITE)
         try:
             conn.rcs[0].qp.post_read(sink.sge(0, 4096), target, remote_offset=at, wr_id=998)
             deadline = time.monotonic() + 10
             while conn.dead is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert conn.dead is not None and "REM_ACCESS_ERR" in str(conn.dead), conn.dead
-            got = bytes(sink.view())
+            got = bytes(landed)
             assert secret_bytes[:64] not in got and data[:64] not in got
         finally:
             sink.close()
         # a fresh connection (the old one died with its QP) works
         client.send(victim_addr, b"after").result(20)
         assert bytes(victim.recv(timeout=20).detach()) == b"after"
+
+
+def _reframe(frame: bytes, body: bytes, kind=None) -> bytes:
+    head = relay_mod.HEADER.unpack(frame[:relay_mod.HEADER.size])
+    return relay_mod.HEADER.pack(head[0], head[1], head[2] if kind is None else kind, 0, len(body)) + body
+
+
+def _rewrite(frame: bytes, old: bytes, new: bytes) -> bytes:
+    """The frame with `old` replaced in its JSON (its tag, which the relay cannot recompute, left as it was)."""
+    body = frame[relay_mod.HEADER.size:]
+    assert old in body[:-16], (old, body[:200])
+    return _reframe(frame, body[:-16].replace(old, new, 1) + body[-16:])
+
+
+_GID = re.compile(rb'"gid":"[^"]*"')
+
+#: attack -> (direction, frame index, what the relay passes on instead): frames 0 and 1 each way are the auth
+#: exchange; 2 is the hello, 3 the first QP's descriptor (QPInfo and MR descriptors)
+RELAY_ATTACKS = {
+    # a downgrade: the dialer's hello asks for an unkeyed checksum, so that payloads could be re-tagged
+    "downgrade the checksum": ("dialer", 2, lambda f: [_rewrite(f, b'"checksum":"blake3"', b'"checksum":"xxh3"')]),
+    # the victim's data connections sent through the relay (it rewrote the QPInfo so at 9323a13)
+    "redirect the data connections": ("dialer", 3, lambda f: [_GID.sub(b'"gid":"127.0.0.1:9"', f, 1)]),
+    "forge the acceptor's hello": ("acceptor", 2, lambda f: [_rewrite(f, b'"qps":', b'"qps":1,"x":')]),
+    "replay the hello for the QPInfo": ("dialer", 3, None),  # (the relay sends frame 2 again: below)
+    "strip the seal": ("dialer", 2, lambda f: [_reframe(f, f[relay_mod.HEADER.size:-16], kind=1)]),
+    "drop the hello": ("dialer", 2, lambda f: []),
+}
+
+
+@pytest.mark.parametrize("attack", list(RELAY_ATTACKS))
+def test_a_relay_on_the_path_cannot_alter_replay_or_drop_set_up_messages(secret, attack):
+    """A relay between two parties (no secret) passes the proof through, then tampers with one bootstrap
+    message: the connection fails on the side that reads it, naming what happened (a MAC that fails, or an
+    unsealed message), nothing reaches the application, and the parties
+    then exchange verified weights over the same (now honest) relay."""
+    direction, index, act = RELAY_ATTACKS[attack]
+    held = {}
+
+    def tamper(d, i, frame):
+        if d == direction and i == index - 1:
+            held["previous"] = frame
+        if (d, i) != (direction, index):
+            return [frame]
+        return [held["previous"]] if act is None else act(frame)
+
+    with relay_mod.Relay(("127.0.0.1", 0), tamper) as relay:
+        victim = Victim(cfg("fedrdma-e", secret), name=relay.address)
+        try:
+            host, _, port = victim.address.rpartition(":")
+            relay.target = (host, int(port))
+            # (a dropped hello: the next message arrives in its place and fails as number 0)
+            match = "fails its MAC|is not sealed"
+            with Endpoint(cfg("fedrdma-e", secret), name="client-a") as ep:
+                with pytest.raises((E.PeerUnreachable, E.RemoteProtocolError, E.FateRdmaError)) as err:
+                    ep.send(relay.address, b"weights" * 10000).result(30)
+            deadline = time.monotonic() + 10  # (the victim lets go of what it reserved once it sees the dialer go)
+            while (stats := victim.stats())["budget_held_bytes"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            why = str(err.value) if direction == "acceptor" else stats["last_refusal"]
+            assert re.search(match, why), why
+            assert stats["count"] == 0 and stats["budget_held_bytes"] == 0
+            data = os.urandom(3 * CHUNK + 5)
+            with Endpoint(cfg("fedrdma-e", secret), name="client-a") as ep:
+                ep.send(relay.address, data, {"who": "client-a"}).result(30)
+            (rec,) = victim.expect()
+            assert rec["peer"] == "client-a" and rec["crc32c"] == crc32c.crc32c(data)
+        finally:
+            victim.close()
+
+
+def _attach(gid: str, qpn: int, token: bytes) -> int:
+    """A soft data connection's HELLO to QP `qpn` at NIC `gid` with `token`: the NIC's status (0: attached)."""
+    from easypyverbs.providers.soft import wire
+
+    host, _, port = gid.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 7, qpn, 0, 0, token, 0, 0, bytes(16)))
+        return wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3]
+
+
+def test_a_relay_that_reads_the_set_up_cannot_attach_to_the_data_connections(secret):
+    """A relay on the bootstrap's path reads the acceptor's QPInfo (sealed, not encrypted: its gid and QP
+    number are readable) and races the dialer to the acceptor's data listener. Over a sealed bootstrap the
+    QPInfo carries no attach token (both ends derive it from their session), so the relay's attach is
+    refused and the dialer's own goes through, verified. (At 2fff137 the token was in the QPInfo: the relay
+    took the QP and the party's connection failed.)"""
+    from easypyverbs.providers.soft import wire
+
+    tried = []
+
+    def tamper(d, i, frame):
+        head = relay_mod.HEADER.unpack(frame[:relay_mod.HEADER.size])
+        body = frame[relay_mod.HEADER.size:]
+        obj = json.loads(body[:-16] if head[2] == 2 else body)
+        qp = obj.get("qp") if isinstance(obj, dict) else None
+        if d == "acceptor" and isinstance(qp, dict) and not tried:
+            token = bytes.fromhex(qp.get("token", "")).ljust(16, b"\0")
+            tried.append((qp.get("token"), _attach(qp["gid"], qp["qpn"], token)))
+        return [frame]
+
+    with relay_mod.Relay(("127.0.0.1", 0), tamper) as relay:
+        victim = Victim(cfg("fedrdma-e", secret), name=relay.address)
+        try:
+            host, _, port = victim.address.rpartition(":")
+            relay.target = (host, int(port))
+            data = os.urandom(3 * CHUNK + 5)
+            with Endpoint(cfg("fedrdma-e", secret), name="client-a") as ep:
+                ep.send(relay.address, data, {"who": "client-a"}).result(30)
+            (rec,) = victim.expect()
+            assert rec["peer"] == "client-a" and rec["crc32c"] == crc32c.crc32c(data)
+            assert tried == [("", wire.HELLO_BAD_TOKEN)], tried
+        finally:
+            victim.close()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_slot_key_granted_to_one_peer_is_refused_on_another_peers_queue_pair(secret, provider):
+    """Each connection has its own protection domain: a party that learnt another party's slot key and address
+    (from a CREDIT, say) and WRITEs with it from its own authenticated queue pair gets a remote access error,
+    and the victim's slot keeps the bytes of the party it was granted to, which still transfers verified."""
+    from .verbs_pair import require
+
+    require(provider)
+    c = cfg("fedrdma-e", secret, pool_slots=2, provider=provider)
+    with Endpoint(c, name="victim") as victim, Endpoint(c, name="client-a") as a, \
+            Endpoint(c, name="client-b") as b:
+        victim.name = victim_addr = victim.address  # dialers check that the endpoint proves the address they dialed
+        conn_a, conn_b = a.connect(victim_addr), b.connect(victim_addr)
+        sniffed = conn_a.slot_sender.slot_mrs[0]  # a's grant: its rkey and address
+        junk = conn_b.pd.reg_mr(bytearray(b"\xee" * 4096), ev.Access.LOCAL_WRITE)
+        try:
+            conn_b.rcs[0].qp.post_write(junk.sge(0, 4096), sniffed, remote_offset=conn_b.slot_sender.offer.offset_in_slot(0),
+                                        wr_id=997)
+            deadline = time.monotonic() + 10
+            while conn_b.dead is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert conn_b.dead is not None and "REM_ACCESS_ERR" in str(conn_b.dead), conn_b.dead
+        finally:
+            junk.close()
+        data = os.urandom(3 * CHUNK)
+        a.send(victim_addr, data).result(20)
+        msg = victim.recv(timeout=20)
+        assert bytes(msg.view) == data and msg.peer == "client-a" and conn_a.dead is None
+        msg.release()

@@ -7,8 +7,8 @@ import pytest
 
 from easypyverbs.buffers import shared_array
 from easypyverbs.providers.soft import shm
-from fate_rdma.bench import baselines, checked_shm
-from fate_rdma.bench.driver import PeerProcess, RawTcp
+from fate_rdma_lab.bench import baselines, checked_shm
+from fate_rdma_lab.bench.driver import PeerProcess, RawTcp
 from fate_rdma.protocol.integrity import BLOCK_BYTES
 
 pytestmark = pytest.mark.skipif(not shm.works(), reason="shared regions (memfd, pidfd_getfd) do not work here")
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not shm.works(), reason="shared regions (memfd, 
 
 @pytest.fixture(scope="module")
 def link():
-    with PeerProcess(module="fate_rdma.bench.transfer_peer") as peer:
+    with PeerProcess(module="fate_rdma_lab.bench.transfer_peer") as peer:
         raw = RawTcp(peer)
         try:
             yield raw

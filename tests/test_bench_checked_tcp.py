@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from fate_rdma.bench import checked_tcp
+from fate_rdma_lab.bench import checked_tcp
 from fate_rdma.protocol.integrity import BLOCK_BYTES
 
 
@@ -44,12 +44,12 @@ def _receive(wire: bytes, nbytes: int, kind: str):
         b.close()
 
 
-@pytest.mark.parametrize("kind", ["xxh3", "crc32c"])
+@pytest.mark.parametrize("kind", ["xxh3", "crc32c", "blake2b"])
 def test_a_payload_arrives_whole_and_checked(kind):
     n = 2 * BLOCK_BYTES + 12345  # two whole blocks and a short last one, pieces of every length
     payload = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
     wire = _stream(memoryview(payload), kind)
-    digest = 16 if kind == "xxh3" else 4
+    digest = {"xxh3": 16, "crc32c": 4, "blake2b": 32}[kind]
     assert len(wire) == n + 4 + 3 * digest
     error, got = _receive(wire, n, kind)
     assert error is None and got == payload.tobytes()
@@ -72,5 +72,5 @@ def test_digests_of_the_wrong_length_are_refused():
 
 
 def test_checks_without_block_digests_are_refused_by_name():
-    with socket.socket() as s, pytest.raises(ValueError, match="checksum 'blake2b' has no block-wise digests"):
-        checked_tcp.send(s, memoryview(b"x"), "blake2b")
+    with socket.socket() as s, pytest.raises(ValueError, match="checksum 'none' has no block-wise digests"):
+        checked_tcp.send(s, memoryview(b"x"), "none")

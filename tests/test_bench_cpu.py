@@ -1,7 +1,7 @@
 """The benches' CPU arithmetic: the ceiling a method's CPU per GB puts on its ratio to raw TCP."""
 from __future__ import annotations
 
-from fate_rdma.bench import cpu
+from fate_rdma_lab.bench import cpu
 
 
 def _row(method, seconds, snd, rcv):

@@ -9,15 +9,15 @@ import time
 
 import pytest
 
-from fate_rdma.bench import channel_alone
-from fate_rdma.bench.fate_job import START_LEAD_S, wait_until
+from fate_rdma_lab.bench import channel_alone
+from fate_rdma_lab.bench.fate_job import START_LEAD_S, wait_until
 
 
 def test_bench_fate_pairs_give_the_median_of_each_repetitions_ratio(capsys):
     """`bench fate --pairs N`: each target's ratio is the median of the repetitions' own ratios (not the ratio
     of the methods' medians), every repetition's ratio is printed and in the JSON line, a repetition missing
     a method counts for neither, and FATE's own rows (path "-") pair with fate-rdma's on either path."""
-    from fate_rdma.bench.fate_report import pair_ratios, verdicts
+    from fate_rdma_lab.bench.fate_report import pair_ratios, verdicts
 
     def row(method, pair, seconds, path="tcp"):
         return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "-" if method == "fate" else path,
@@ -50,7 +50,7 @@ def test_bench_fate_conf_carries_buffer_puts_and_the_link_model_and_refuses_a_li
     fields); a link model with FATE's own path (unshaped), another path, or a bad spec exits 2 with the reason."""
     import argparse
 
-    from fate_rdma.bench import fate_federation as ff
+    from fate_rdma_lab.bench import fate_federation as ff
 
     p = argparse.ArgumentParser()
     ff.add_arguments(p)
@@ -79,7 +79,7 @@ def test_the_arrays_baseline_splits_the_integration_from_the_payloads_shape(caps
     """--channel-alone-arrays: fate-rdma / the arrays baseline (the integration's own cost) and the arrays
     baseline / the one-buffer one (the payload's memory and shape), medians of the pairs' own ratios, with
     no target; the target's verdict stays against the one buffer."""
-    from fate_rdma.bench.fate_report import verdicts
+    from fate_rdma_lab.bench.fate_report import verdicts
 
     def row(method, pair, seconds):
         return {"method": method, "pair": pair, "round_comm_seconds": seconds, "path": "same-host", "tensors": 148,
@@ -105,7 +105,7 @@ def test_the_arrays_baseline_splits_the_integration_from_the_payloads_shape(caps
 
 def test_channel_alone_sends_private_arrays_of_the_given_sizes():
     """The arrays baseline moves the same bytes as private arrays; sizes that do not add up are refused."""
-    from fate_rdma.bench.fate_federation import payload_pieces
+    from fate_rdma_lab.bench.fate_federation import payload_pieces
 
     up, down = payload_pieces(0.25, 0)
     assert len(up) == len(down) == 148 and all(u == 2 * d for u, d in zip(up, down))
@@ -123,7 +123,7 @@ def test_channel_alone_sends_private_arrays_of_the_given_sizes():
 def test_the_arrays_baseline_without_the_first_is_refused(capsys):
     import argparse
 
-    from fate_rdma.bench import fate_federation
+    from fate_rdma_lab.bench import fate_federation
 
     p = argparse.ArgumentParser()
     fate_federation.add_arguments(p)
@@ -185,7 +185,7 @@ def test_a_same_host_path_switched_off_is_refused_not_mislabelled(monkeypatch, c
     """`--path same-host` under EASYPYVERBS_SOFT_SAME_HOST=off would print rows named same-host that ran over TCP."""
     import argparse
 
-    from fate_rdma.bench import fate_federation
+    from fate_rdma_lab.bench import fate_federation
 
     monkeypatch.setenv("EASYPYVERBS_SOFT_SAME_HOST", "off")
     p = argparse.ArgumentParser()

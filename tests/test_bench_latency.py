@@ -61,7 +61,7 @@ def _fails(ctl):
 
 
 def test_a_peer_error_reaches_the_driver_by_name():
-    from fate_rdma.bench import latency
+    from fate_rdma_lab.bench import latency
 
     proc, ctl = latency._peer(_fails)
     try:
@@ -90,7 +90,7 @@ def test_steps_split_each_message_joined_across_the_two_processes():
 
 
 def test_steps_join_on_the_transfer_id_in_the_other_file(tmp_path):
-    from fate_rdma.bench.latency import steps
+    from fate_rdma_lab.bench.latency import steps
 
     def write(pid, events):
         (tmp_path / f"trace-{pid}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"t": 1, "ev"')

@@ -1,7 +1,7 @@
 """`fate-rdma bench transfer`: its verdict lines, and the Mooncake rows where Mooncake is missing."""
 from __future__ import annotations
 
-from fate_rdma.bench import mooncake, transfer
+from fate_rdma_lab.bench import mooncake, transfer
 
 
 def _row(method, seconds, snd, rcv):
@@ -30,7 +30,7 @@ def test_bench_transfers_verdicts_keep_the_paths_apart_and_label_every_emulated_
 def test_without_mooncake_its_rows_are_skipped_with_how_to_install_it(monkeypatch):
     monkeypatch.setattr(mooncake.importlib.util, "find_spec", lambda name: None)
     why = mooncake.missing()
-    assert why is not None and "not installed" in why and "pip install 'fate-rdma[mooncake]'" in why
+    assert why is not None and "not installed" in why and "pip install -e './lab[mooncake]'" in why
     got = mooncake.measure(["raw_tcp", "mooncake", "mooncake_batch"], "127.0.0.1", 1 << 20, 0, 0, 1, 1 << 20)
     assert got == {"mooncake": {"skipped": why}, "mooncake_batch": {"skipped": why}}
     assert mooncake.measure(["raw_tcp"], "127.0.0.1", 1 << 20, 0, 0, 1, 1 << 20) == {}

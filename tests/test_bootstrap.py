@@ -1,9 +1,7 @@
 """The TCP bootstrap: round trips, and every kind of bad input gives a BootstrapError that names it."""
 from __future__ import annotations
 
-import json
 import socket
-import struct
 import threading
 
 import pytest
@@ -30,6 +28,60 @@ def test_exchange_round_trip():
         t.start()
         assert a.exchange({"from": "a", "n": [1, 2]}, 5) == {"from": "b"}
         t.join()
+
+
+def _sealed_pair():
+    a, b = _pair()
+    a.seal(b"a" * 32, b"b" * 32)
+    b.seal(b"b" * 32, b"a" * 32)
+    return a, b
+
+
+def test_sealed_messages_round_trip_in_order():
+    a, b = _sealed_pair()
+    with a, b:
+        for i in range(3):
+            a.send({"n": i}, 5)
+        assert [b.recv(5)["n"] for _ in range(3)] == [0, 1, 2]
+        b.send({"back": True}, 5)
+        assert a.recv(5) == {"back": True} and a.sealed
+
+
+def _sealed_frame(key: bytes, number: int, obj: bytes) -> bytes:
+    body = obj + ev.BootstrapConn._tag(key, number, obj)
+    return bootstrap.HEADER.pack(b"EPVB", 1, bootstrap.KIND_SEALED, 0, len(body)) + body
+
+
+@pytest.mark.parametrize("frame,match", [
+    (_sealed_frame(b"a" * 32, 0, b'{"qp":"relay"}')[:-1] + b"\xff", "fails its MAC"),  # altered (its tag)
+    (_sealed_frame(b"x" * 32, 0, b'{"n":0}'), "fails its MAC"),  # forged: another key
+    (_sealed_frame(b"a" * 32, 1, b'{"n":1}'), "fails its MAC"),  # out of order: #1 where #0 is due
+    (bootstrap.HEADER.pack(b"EPVB", 1, 1, 0, 2) + b"{}", "is not sealed"),  # unsealed, into a sealed connection
+    (bootstrap.HEADER.pack(b"EPVB", 1, 2, 0, 3) + b"{}x", "outside"),  # shorter than a tag
+])
+def test_a_sealed_connection_takes_only_the_next_sealed_message(frame, match):
+    """What a relay on the path could try once the two ends sealed their bootstrap connection: each is
+    a BootstrapError naming it, before the body is parsed."""
+    with ev.Listener() as lst:
+        raw = _raw_client(lst)
+        conn = lst.accept(5)
+        conn.seal(b"b" * 32, b"a" * 32)
+        raw.sendall(frame)
+        with conn, pytest.raises(ev.BootstrapError, match=match):
+            conn.recv(timeout_s=2)
+        raw.close()
+
+
+def test_a_replayed_sealed_message_is_refused():
+    a, b = _sealed_pair()
+    with a, b:
+        a.send({"n": 0}, 5)
+        first = ev.BootstrapConn._tag(b"a" * 32, 0, b'{"n":0}')
+        assert b.recv(5) == {"n": 0}
+        body = b'{"n":0}' + first
+        a.sock.sendall(bootstrap.HEADER.pack(b"EPVB", 1, bootstrap.KIND_SEALED, 0, len(body)) + body)
+        with pytest.raises(ev.BootstrapError, match="#1 .* fails its MAC"):
+            b.recv(5)
 
 
 def _raw_client(lst):
@@ -157,3 +209,71 @@ def test_soft_qp_cannot_be_attached_without_its_token():
         assert ev.QPInfo.from_dict(qp.info().to_dict()).token == qp.token.hex()
     finally:
         ctx.close()
+
+
+def test_a_sealed_bootstrap_binds_the_soft_data_connections_to_its_session():
+    """Over a sealed bootstrap no QPInfo carries an attach token (a reader of the bootstrap, without the
+    session, learns nothing that attaches to a QP): both ends derive it from the seal's keys, and the QPs
+    connect and carry a SEND with it."""
+    a, b = _sealed_pair()
+    ctxs = [ev.open_device(provider="soft") for _ in range(2)]
+    sent = []
+    for conn in (a, b):
+        real = conn.exchange
+
+        def spy(obj, timeout_s=10.0, _real=real):
+            sent.append(obj)
+            return _real(obj, timeout_s)
+
+        conn.exchange = spy
+    out = {}
+    try:
+        t = threading.Thread(target=lambda: out.setdefault("b", ev.establish(ctxs[1], b, timeout_s=5)))
+        t.start()
+        ra = ev.establish(ctxs[0], a, timeout_s=5)
+        t.join(10)
+        rb = out["b"]
+        infos = [m["qp"] for m in sent if "qp" in m]
+        assert len(infos) == 2 and all(i["token"] == "" for i in infos), infos
+        assert ra.qp.token == a.attach_token(ra.qp.qpn, True) == b.attach_token(ra.qp.qpn, False)
+        assert rb.qp.token == b.attach_token(rb.qp.qpn, True) != ra.qp.token
+        buf = bytearray(4)
+        mr = rb.pd.reg_mr(buf, ev.Access.LOCAL_WRITE)
+        rb.qp.post_recv(mr.sge(0, 4), wr_id=1)
+        src = ra.pd.reg_mr(bytearray(b"ping"), ev.Access.LOCAL_WRITE)
+        ra.qp.post_send(src.sge(0, 4))
+        assert rb.recv_cq.wait(5)[0].ok and bytes(buf) == b"ping"
+    finally:
+        for c in ctxs:
+            c.close()
+        a.close()
+        b.close()
+
+
+def test_a_bound_soft_qp_takes_only_the_derived_token():
+    from easypyverbs.providers.soft import wire
+
+    a, b = _sealed_pair()
+    ctx = ev.open_device(provider="soft")
+    try:
+        qp = ctx.alloc_pd().create_qp(ctx.create_cq())
+        qp.bind_attach(a.attach_token)
+        assert qp.info().token == ""
+        host, _, port = ctx.nic_address.rpartition(":")
+        for token, status in ((bytes(16), wire.HELLO_BAD_TOKEN), (a.attach_token(qp.qpn, False), wire.HELLO_BAD_TOKEN),
+                              (b.attach_token(qp.qpn, False), wire.HELLO_OK)):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, 1, 0, 1, qp.qpn, 0, 0, token, 0, 0, bytes(16)))
+                assert wire.HELLO_REPLY.unpack(wire.recv_exactly(s, wire.HELLO_REPLY.size))[3] == status
+        other = ctx.alloc_pd().create_qp(ctx.create_cq())  # (a peer that hands its token out in clear)
+        mine = ctx.alloc_pd().create_qp(ctx.create_cq())
+        mine.bind_attach(a.attach_token)
+        with pytest.raises(ev.EasyVerbsError, match="hands out its attach token"):
+            mine.connect(other.info(), 2)
+        c, d = _pair()
+        with c, d, pytest.raises(ev.BootstrapError, match="not sealed"):
+            c.attach_token(1, True)
+    finally:
+        ctx.close()
+        a.close()
+        b.close()

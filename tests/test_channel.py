@@ -8,6 +8,7 @@ peer-death tests need a transfer still in flight when they act: on soft the link
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ import pytest
 
 import easypyverbs as ev
 from fate_rdma import errors as E
-from fate_rdma.bench.driver import PeerProcess
+from fate_rdma_lab.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
 
@@ -43,6 +44,26 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
+_SECRETS: list = []
+
+
+def keyed_secret() -> str:
+    """A federation secret for endpoints of this process whose checksum is a MAC (blake3, blake2b: keyed by the
+    session key an authenticated connection derives): one per test session, removed at exit."""
+    if not _SECRETS:
+        import atexit
+        import shutil
+        import tempfile
+
+        from fate_rdma.channel.auth import write_secret
+
+        folder = tempfile.mkdtemp(prefix="fate-rdma-test-secret-")
+        atexit.register(shutil.rmtree, folder, True)
+        _SECRETS.append(os.path.join(folder, "secret"))
+        write_secret(_SECRETS[0])
+    return _SECRETS[0]
+
+
 def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
     """provider "soft" (same-host path between these processes), "soft-tcp" (that path off: TCP, as
     between hosts) or "pyverbs". FedRDMA-E slots start at one chunk, so most transfers here grow them.
@@ -53,6 +74,8 @@ def cfg_for(mode: str, provider: str = "soft", **kw) -> ChannelConfig:
                 tcp_chunk_bytes=0)
     if provider == "soft-tcp":
         base.update(provider="soft", same_host=False)
+    if kw.get("checksum") in ("blake3", "blake2b") and not kw.get("secret_file"):
+        base["secret_file"] = keyed_secret()
     base.update(kw)
     return ChannelConfig(**base)
 
@@ -63,15 +86,15 @@ def slow_transfer(provider: str, monkeypatch, **kw) -> dict:
     own chunk posts."""
     if provider == "soft-tcp":
         return dict(kw, soft_link="rate=50mbit")
-    import fate_rdma.channel.connection as conn_mod
+    from fate_rdma.channel.engine import Engine
 
-    post_data = conn_mod.Connection.post_data
+    post_data = Engine.post_data
 
     def paced(self, *a, **k):
         time.sleep(PACE_PER_CHUNK_S)  # on the connection's own thread: its next chunk waits too
         return post_data(self, *a, **k)
 
-    monkeypatch.setattr(conn_mod.Connection, "post_data", paced)
+    monkeypatch.setattr(Engine, "post_data", paced)
     return kw
 
 
@@ -79,7 +102,7 @@ class Peer:
     """A receiving endpoint in another process that records what it got."""
 
     def __init__(self, cfg: ChannelConfig) -> None:
-        self.proc = PeerProcess(module="fate_rdma.bench.transfer_peer")
+        self.proc = PeerProcess(module="fate_rdma_lab.bench.transfer_peer")
         self.address = self.proc.cmd({"cmd": "endpoint", "config": dict(cfg.__dict__), "record": True})["address"]
         self.count = 0
 
@@ -228,6 +251,7 @@ def test_cancel_mid_transfer(mode, provider, monkeypatch):
         peer.close()
 
 
+@pytest.mark.system  # a peer process is started and killed: about 10 s each
 def test_peer_death_mid_transfer_errors_without_leaks(mode, provider, monkeypatch):
     cfg = cfg_for(mode, provider, **slow_transfer(provider, monkeypatch, window=2, slot_bytes=8 << 20))
     peer = Peer(cfg)
@@ -255,14 +279,14 @@ def test_unreachable_peer_is_named(provider):
             ep.send("127.0.0.1:9", b"x")
 
 
-def test_a_peer_that_closes_every_handshake_is_retried_then_named_with_the_tries():
+@contextlib.contextmanager
+def closing_listener():
     """A listener that takes each connection and closes it before answering (as an endpoint at its cap of
-    pending handshakes does): the dial is tried again within connect_timeout_s, then fails naming the
-    address and how many connections the peer closed."""
+    pending handshakes does); yields (address, list with one entry per connection taken)."""
     import socket
 
     srv = socket.create_server(("127.0.0.1", 0))
-    taken = []
+    taken: list = []
 
     def close_all():
         while True:
@@ -275,17 +299,44 @@ def test_a_peer_that_closes_every_handshake_is_retried_then_named_with_the_tries
 
     acceptor = threading.Thread(target=close_all, daemon=True)
     acceptor.start()
-    addr = f"127.0.0.1:{srv.getsockname()[1]}"
     try:
-        with Endpoint(cfg_for("fedrdma-e", "soft", connect_timeout_s=1.0)) as ep:
-            with pytest.raises(E.PeerUnreachable, match=rf"{addr}: .*(closed|lost).*\(attempt \d+, [\d.]+ s after the "
-                                                        r"first; the peer closed the \d+ attempts before it during"):
-                ep.connect(addr)
+        yield f"127.0.0.1:{srv.getsockname()[1]}", taken
     finally:
         srv.shutdown(socket.SHUT_RDWR)  # (close alone leaves the accept blocked and the port listening)
         srv.close()
         acceptor.join(5)
-    assert len(taken) >= 3 and not acceptor.is_alive()
+        assert not acceptor.is_alive()
+
+
+def test_a_peer_that_closes_every_handshake_is_retried_then_named_with_the_tries():
+    """The dial is tried again within connect_timeout_s, then fails naming the address and how many
+    connections the peer closed."""
+    with closing_listener() as (addr, taken):
+        with Endpoint(cfg_for("fedrdma-e", "soft", connect_timeout_s=1.0)) as ep:
+            with pytest.raises(E.PeerUnreachable, match=rf"{addr}: .*(closed|lost).*\(attempt \d+, [\d.]+ s after the "
+                                                        r"first; the peer closed the \d+ attempts before it during"):
+                ep.connect(addr)
+    assert len(taken) >= 3
+
+
+def test_a_dial_retries_on_the_endpoints_policy_without_sleeping():
+    """The dial's retry policy is the endpoint's (dial_retry): with a clock that moves only when the policy
+    waits, a peer that closes every handshake is tried exactly once per pause within connect_timeout_s."""
+    from easypyverbs.retry import Retry
+
+    now = [0.0]
+    waits: list = []
+
+    def wait(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    with closing_listener() as (addr, taken):
+        with Endpoint(cfg_for("fedrdma-e", "soft", connect_timeout_s=1.0)) as ep:
+            ep.dial_retry = lambda t: Retry(t, first_pause_s=0.2, max_pause_s=0.2, clock=lambda: now[0], sleep=wait)
+            with pytest.raises(E.PeerUnreachable, match=rf"{addr}: .*(closed|lost)"):
+                ep.connect(addr)
+    assert waits == [0.2] * 4 and len(taken) == 5  # attempts at 0, 0.2, 0.4, 0.6, 0.8 of the 1 s
 
 
 def test_three_concurrent_senders_progress_fairly(mode, provider):
@@ -411,9 +462,9 @@ def test_conf_channel_yaml_lists_every_default():
     import yaml
 
     doc = yaml.safe_load((pathlib.Path(__file__).parent.parent / "conf" / "channel.yaml").read_text())["channel"]
-    defaults = ChannelConfig()
-    assert sorted(doc) == sorted(f.name for f in dataclasses.fields(ChannelConfig))
-    assert {k: v for k, v in doc.items() if getattr(defaults, k) != v} == {}
+    defaults = {f.name: f.default for f in dataclasses.fields(ChannelConfig)}  # (as written: checksum auto)
+    assert sorted(doc) == sorted(defaults)
+    assert {k: v for k, v in doc.items() if defaults[k] != v} == {}
 
 
 BIG = 10 << 20  # above the 4 MiB checksum block: the whole-payload checksum runs on the block pool
@@ -439,6 +490,7 @@ def test_concurrent_checksums_never_wait_on_each_other():
     assert {f.result() for f in done} == {expect}
 
 
+@pytest.mark.system  # 4 x tens of MiB to three receivers at once: seconds each
 def test_large_payloads_at_once_one_to_several(mode, provider):
     cfg = big_cfg(mode, provider)
     peers = [Peer(cfg) for _ in range(3)]

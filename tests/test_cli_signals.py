@@ -19,8 +19,8 @@ import pytest
 # parties) with the same run_group bench fate and the demo use, then waits on it
 SCRIPT = r"""
 import signal, sys
-import fate_rdma.cli.bench as bench
-from fate_rdma.bench.local import run_group
+import fate_rdma_lab.cli.bench as bench
+from fate_rdma_lab.bench.local import run_group
 from fate_rdma.cli import main
 
 def run(args):
@@ -99,7 +99,7 @@ if __name__ == "__main__":
 
 
 def test_a_stopped_job_group_leaves_no_semaphore_in_dev_shm(tmp_path: Path) -> None:
-    from fate_rdma.bench.local import stop_group
+    from fate_rdma_lab.bench.local import stop_group
 
     script = tmp_path / "spawned.py"
     script.write_text(SPAWNED)

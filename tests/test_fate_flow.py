@@ -19,13 +19,13 @@ pytest.importorskip("fate_llm", reason="FATE-LLM is not installed; make test ins
 
 import yaml  # noqa: E402
 
-from fate_rdma.bench.local import free_ports  # noqa: E402
+from fate_rdma_lab.bench.local import free_ports  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flow_server import FlowServer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTIES = (("guest", "9999"), ("host", "10000"), ("arbiter", "10000"))
+PARTIES = (("guest", "9999"), ("host", "10000"), ("arbiter", "10001"))  # (a party id per site, as the examples)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -50,7 +50,7 @@ def flow(tmp_path_factory):
     assert again.returncode == 0 and "site file: unchanged" in again.stdout and "hook: already installed" in again.stdout
     data = base / "data"
     data.mkdir()
-    subprocess.run([sys.executable, "-m", "fate_rdma.llm.corpus", "--out", str(data / "train.json"), "--n", "8",
+    subprocess.run([sys.executable, "-m", "fate_rdma_lab.llm.corpus", "--out", str(data / "train.json"), "--n", "8",
                     "--seed", "1"], check=True, capture_output=True, timeout=60)
     server = FlowServer(str(base / "home"), env={"FATE_RDMA_SITE": str(site)})
     server.start()
@@ -138,7 +138,7 @@ def test_job_conf_section_switches_fate_rdma_on_and_weights_equal_plain_job(flow
         assert not any("fate-rdma:" in t for t in role_logs(flow, plain, role, pid).values())
     import torch
 
-    from fate_rdma.llm.zoo import gpt2_model
+    from fate_rdma_lab.llm.zoo import gpt2_model
 
     init = gpt2_model(model="tiny", seed=0).state_dict()
     ref = weights(flow, plain, "guest", "9999")

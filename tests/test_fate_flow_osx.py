@@ -26,7 +26,7 @@ pytest.importorskip("fate.arch.federation.backends.osx.osx_pb2_grpc", reason="FA
 import grpc  # noqa: E402
 import yaml  # noqa: E402
 
-from fate_rdma.bench.local import free_ports  # noqa: E402
+from fate_rdma_lab.bench.local import free_ports  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flow_server import FlowServer  # noqa: E402
@@ -125,7 +125,7 @@ def flow_osx(tmp_path_factory):
     assert out.returncode == 0, out.stdout + out.stderr
     data = base / "data"
     data.mkdir()
-    subprocess.run([sys.executable, "-m", "fate_rdma.llm.corpus", "--out", str(data / "train.json"), "--n", "8",
+    subprocess.run([sys.executable, "-m", "fate_rdma_lab.llm.corpus", "--out", str(data / "train.json"), "--n", "8",
                     "--seed", "1"], check=True, capture_output=True, timeout=60)
     osx = OSXStandIn()
     server = OSXFlowServer(str(base / "home"), osx.port, env={"FATE_RDMA_SITE": str(site)})

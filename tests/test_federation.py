@@ -20,7 +20,7 @@ from fate_rdma import errors as E  # noqa: E402
 from fate_rdma.federation import activate  # noqa: E402
 from fate_rdma.federation import wrapper as wrapper_mod  # noqa: E402
 from fate_rdma.federation.wrapper import DESC_MAGIC  # noqa: E402
-from fate_rdma.bench.local import free_ports  # noqa: E402
+from fate_rdma_lab.bench.local import free_ports  # noqa: E402
 
 from .conftest import require_same_host  # noqa: E402
 
@@ -568,6 +568,7 @@ def test_descriptors_over_the_channel_carry_every_object_without_fate(guest, tmp
     assert res["w"] == sha(big) and res["w2"] == sha(small)
     st = fed.fate_rdma.stats
     assert st["rdma_transfers"] == 1 and st["small_transfers"] == 1 and through_fate == []
+    assert 0 < st["small_bytes"] < 1 << 20  # (the counters line adds them up: every object crossed the channel)
     assert res["stats"]["descriptor_wait_seconds"] == 0  # the host waited on the channel alone
 
 

@@ -14,7 +14,7 @@ import pytest
 from fate_rdma import errors as E
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel.buffers import GIL_COPY_BYTES, copy_into
-from fate_rdma.channel.checksum import _from_blocks, block_digest, payload_digest
+from fate_rdma.channel.checksum import block_digest, from_blocks, payload_digest
 from fate_rdma.channel.transfer import Fill
 from fate_rdma.protocol.fedrdma_e import FedRdmaESender
 from fate_rdma.protocol.integrity import BLOCK_BYTES, Integrity
@@ -41,11 +41,12 @@ def test_run_copies_back_to_front_with_the_payloads_block_digests(kind, total):
     assert bytes(dest[:total]) == bytes(src) and fill.done and fill.error is None and done == [True]
     assert seen == sorted(seen, reverse=True) and (not total or seen[-1] == 0)
     assert all(x % BLOCK_BYTES == 0 for x in seen)  # one advance per block, at its start
-    assert _from_blocks(kind, fill.digests) == payload_digest(Integrity(kind), [memoryview(src)])
+    assert from_blocks(kind, fill.digests) == payload_digest(Integrity(kind), [memoryview(src)])
 
 
-def test_blake2b_and_none_take_no_block_digests():
-    assert block_digest("blake2b") is None and block_digest("none") is None
+def test_macs_and_none_take_no_block_digests():
+    """blake2b and blake3 are keyed per connection: one copy's digests cannot serve every peer."""
+    assert block_digest("blake2b") is None and block_digest("blake3") is None and block_digest("none") is None
 
 
 def test_a_fill_goes_back_to_front_and_a_failure_finishes_it():
@@ -174,6 +175,7 @@ def test_a_copy_that_fails_fails_its_transfer_and_delivers_nothing(mode, provide
         peer.close()
 
 
+@pytest.mark.system  # runs the lab's bench transfer with its peer process
 def test_bench_transfer_puts_rows_are_labelled_and_compared():
     import json
     import subprocess
@@ -239,4 +241,4 @@ def test_a_fill_of_many_small_tensors_is_byte_exact():
     fill.run(dest, sources, BLOCK_BYTES)
     want = b"".join(a.tobytes() for a in sources)
     assert bytes(dest) == want and fill.done and fill.error is None
-    assert _from_blocks("xxh3", fill.digests) == payload_digest(Integrity("xxh3"), [memoryview(want)])
+    assert from_blocks("xxh3", fill.digests) == payload_digest(Integrity("xxh3"), [memoryview(want)])

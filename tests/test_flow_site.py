@@ -27,13 +27,25 @@ def test_setup_refuses_endpoints_off_loopback_without_authentication(tmp_path, c
     assert said in err and "and no authentication" in err and "--secret-file" in err
 
 
-@pytest.mark.parametrize("endpoints, extra", [(OFF, []), (LOOP, ["--listen-host", "0.0.0.0"]), (LOOP, [])])
-def test_setup_takes_them_with_the_federation_secret_and_loopback_without(tmp_path, capsys, endpoints, extra):
+@pytest.mark.parametrize("endpoints, extra", [(OFF, []), (LOOP, ["--listen-host", "0.0.0.0"])])
+def test_setup_off_loopback_wants_certificates_or_says_members_can_impersonate(tmp_path, capsys, endpoints, extra):
+    """The secret alone between hosts proves "a member", not which one: setup asks for TLS, or for the explicit
+    --shared-secret-only, which it then writes."""
     pytest.importorskip("fate", reason="FATE (pyfate) is not installed: flow setup reports that as its own problem")
     secret = tmp_path / "federation.secret"
     write_secret(str(secret))
-    auth = ["--secret-file", str(secret)] if extra or endpoints is OFF else []
-    assert _setup(tmp_path, endpoints, *auth, *extra) == 0, capsys.readouterr().err
+    assert _setup(tmp_path, endpoints, "--secret-file", str(secret), *extra) == 1
+    err = capsys.readouterr().err
+    assert "and no TLS" in err and "--tls-cert" in err and "--shared-secret-only" in err and "impersonate" in err
+    assert _setup(tmp_path, endpoints, "--secret-file", str(secret), "--shared-secret-only", *extra) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "would write" in out and "shared_secret_only: true" in out
+
+
+def test_setup_takes_loopback_without_a_secret(tmp_path, capsys):
+    pytest.importorskip("fate", reason="FATE (pyfate) is not installed: flow setup reports that as its own problem")
+    assert _setup(tmp_path, LOOP) == 0, capsys.readouterr().err
     assert "would write" in capsys.readouterr().out
 
 
@@ -50,3 +62,30 @@ def test_what_counts_as_loopback_and_which_hosts_launch_and_flow_look_at():
     # flow: the site's endpoints listen on 0.0.0.0, which needs the secret; launch: every party on this machine,
     # and the per-job secret it makes covers the wide listen address
     assert cfg.hosts_off_loopback() == ["0.0.0.0"] and cfg.hosts_off_loopback(listen=False) == []
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_the_counters_line_says_what_crossed_the_channel(caplog, moved):
+    """A task's closing lines count every object that crossed the channel (small ones under descriptors: channel
+    too), and say so when none did because all were under threshold_bytes (a LoRA job's small adapters)."""
+    from fate_rdma.federation import flow
+
+    class Rdma:
+        endpoint = type("Ep", (), {"holds": 0, "longest_hold_s": 0.0})()
+        threshold = 1 << 20
+        stats = {"rdma_transfers": 1 if moved else 0, "rdma_bytes": 5 << 20 if moved else 0, "fate_fallbacks": 0,
+                 "rdma_seconds": 0.1, "small_transfers": 2 if moved else 0, "small_bytes": 3000 if moved else 0,
+                 "below_threshold": 0 if moved else 4}
+
+        def close(self):
+            pass
+
+    caplog.set_level("INFO", logger="fate_rdma")
+    flow._report(Rdma(), flow.FlowTask("J", "guest", "9999", "nn_0", None))
+    text = caplog.text
+    if moved:
+        assert f"channel_transfers=3 channel_bytes={(5 << 20) + 3000}" in text and "nothing of" not in text
+    else:
+        assert "channel_transfers=0" in text
+        assert "nothing of job J task nn_0 (guest:9999) crossed the channel: its 4 object(s)" in text
+        assert "Lower threshold_bytes" in text

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fate_rdma import errors as E
-from fate_rdma.channel.handshake import Hello, PoolOffer, StagingOffer, agree_terms
+from fate_rdma.protocol.hello import Hello, PoolOffer, StagingOffer, agree_terms
 
 GOOD = {"fate_rdma": 1, "name": "host:10000", "qps": 2,
         "pool": {"slots": 2, "slot_payload_bytes": 1 << 20, "meta_cap": 65536},

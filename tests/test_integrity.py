@@ -20,7 +20,7 @@ from fate_rdma import protocol as P
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel.auth import Identity, authenticate, mac_keys, session_key, write_secret
 from fate_rdma.channel.checksum import integrities, payload_checksum, payload_digest, payload_leaves
-from fate_rdma.channel.handshake import Hello, agree_checksum
+from fate_rdma.protocol.hello import Hello, agree_checksum
 from fate_rdma.config import ChannelConfig
 from fate_rdma.protocol import integrity as I
 from fate_rdma.protocol.frames import FLAG_CRC, FLAG_MAC, FLAG_XXH, HEADER_FIELDS_BYTES
@@ -52,7 +52,7 @@ def test_tag_sits_in_the_last_16_bytes_under_flag_mac():
 
 
 @pytest.mark.parametrize("offset,value,match", [
-    (4, (FLAG_CRC | FLAG_MAC).to_bytes(2, "big"), "flags"), (4, (8).to_bytes(2, "big"), "flags"), (4, (FLAG_XXH | FLAG_MAC).to_bytes(2, "big"), "flags"),
+    (4, (FLAG_CRC | FLAG_MAC).to_bytes(2, "big"), "flags"), (4, (16).to_bytes(2, "big"), "flags"), (4, (FLAG_XXH | FLAG_MAC).to_bytes(2, "big"), "flags"),
     (6, b"\x00\x01", "reserved"), (60, b"\x00\x00\x00\x01", "reserved"),
 ])
 def test_non_canonical_headers_are_refused(offset, value, match):
@@ -75,8 +75,9 @@ def headers(draw):
     return P.Header(draw(st.sampled_from(list(P.HeaderKind))), draw(st.integers(0, 2**64 - 1)), seq, n, offset, length,
                     draw(st.integers(0, P.frames.MAX_META)) if seq == 0 else 0, total,
                     crc if which == "crc32c" else 0, meta_crc if which == "crc32c" else 0, which == "crc32c",
-                    which == "blake2b", draw(st.binary(min_size=16, max_size=16)) if which in ("blake2b", "xxh3") else b"",
-                    has_xxh=which == "xxh3")
+                    which == "blake2b",
+                    draw(st.binary(min_size=16, max_size=16)) if which in ("blake2b", "xxh3", "blake3") else b"",
+                    has_xxh=which == "xxh3", has_b3=which == "blake3")
 
 
 @settings(max_examples=300, deadline=None)
@@ -216,7 +217,7 @@ def test_replay_window_forgets_old_ids_but_refuses_them():
     rx = P.FedRdmaEReceiver(1, 100, verify_crc=False)
     raw = lambda tid: memoryview(P.encode_header(mac_header(tid=tid)))  # noqa: E731
     for tid in range(1, P.fedrdma_e.REPLAY_WINDOW + 10):
-        rx.on_write_imm(0, raw(tid))
+        rx.unchecked(rx.on_write_imm(0, raw(tid)))
         rx.release(0)
     with pytest.raises(E.RemoteProtocolError, match="replay"):
         rx.on_write_imm(0, raw(3))
@@ -272,7 +273,7 @@ def test_session_key_is_shared_fresh_and_never_printed():
 
 
 def test_blake2b_needs_authentication():
-    with pytest.raises(E.ConfigError, match="blake2b needs authentication .secret_file."):
+    with pytest.raises(E.ConfigError, match=r"blake2b needs authenticated connections \(secret_file or tls\)"):
         ChannelConfig(checksum="blake2b")
     with pytest.raises(E.ConfigError, match="blake2b needs an authenticated connection"):
         integrities("blake2b", Identity("peer", False), True)
@@ -384,16 +385,16 @@ def test_altered_on_the_wire_is_refused(mode, secret, monkeypatch, how, error, m
         def hooked(self, imm):
             slot = imm >> 16
             if armed[0]:
-                _tamper(self.conn.mem.slot_view(slot), self.conn.mem.pool.meta_cap, how, mode)
+                _tamper(self.slots.view(slot), self.offer.meta_cap, how, mode)
             return orig(self, imm)
         monkeypatch.setattr(fedrdma_e.SlotReceiver, "on_write_imm", hooked)
     else:
         orig = fedrdma.StagedReceiver.on_chunk
 
         def hooked(self, st):
-            view = self.conn.mem.staging_view(st)
+            view = self.staging_view(st)
             if armed[0] and P.decode_header(bytes(view[:64])).seq == 0:
-                _tamper(view, self.conn.mem.staging.meta_cap, how, mode)
+                _tamper(view, self.offer.meta_cap, how, mode)
             return orig(self, st)
         monkeypatch.setattr(fedrdma.StagedReceiver, "on_chunk", hooked)
     try:
@@ -408,3 +409,34 @@ def test_altered_on_the_wire_is_refused(mode, secret, monkeypatch, how, error, m
     finally:
         tx.close()
         rx.close()
+
+
+def test_the_default_checksum_is_keyed_wherever_connections_are(tmp_path):
+    """checksum auto: a MAC under the session key with a secret (or TLS), XXH3 without (loopback only)."""
+    from fate_rdma.channel.auth import write_secret
+
+    write_secret(str(tmp_path / "s"))
+    assert ChannelConfig().checksum == "xxh3"
+    assert ChannelConfig(secret_file=str(tmp_path / "s")).checksum == "blake3"
+    assert ChannelConfig(secret_file=str(tmp_path / "s"), checksum="crc32c").checksum == "crc32c"
+    with pytest.raises(E.ConfigError, match="integrity must be 'keyed' or 'unkeyed'"):
+        ChannelConfig(integrity="maybe")
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "crc32c", "none"])
+def test_an_unkeyed_checksum_off_loopback_needs_the_sites_consent(tmp_path, caplog, checksum):
+    """Listening off loopback with a secret, an unkeyed checksum (which a relay could recompute over altered
+    weights) is refused at start, naming the setting that allows it; with integrity: unkeyed it starts, and
+    says so in the log. On loopback it stays possible."""
+    from fate_rdma.channel import Endpoint
+    from fate_rdma.channel.auth import write_secret
+
+    write_secret(str(tmp_path / "s"))
+    base = dict(secret_file=str(tmp_path / "s"), checksum=checksum, provider="soft", shared_secret_only=True)
+    with pytest.raises(E.ConfigError, match=f"checksum {checksum} is not keyed.*integrity: unkeyed"):
+        Endpoint(ChannelConfig(**base), host="0.0.0.0")
+    with Endpoint(ChannelConfig(**base, integrity="unkeyed"), host="0.0.0.0"):
+        pass
+    assert f"payloads: {checksum}, UNKEYED (integrity: unkeyed)" in caplog.text
+    with Endpoint(ChannelConfig(**base), host="127.0.0.1"):
+        pass

@@ -168,14 +168,14 @@ def _launch(tmp_path, ports, dies):
         out, _ = p.communicate(timeout=240)
     finally:
         if p.poll() is None:
-            from fate_rdma.bench.local import stop_group
+            from fate_rdma_lab.bench.local import stop_group
 
             stop_group(p)  # (SIGTERM first: the spawned parties' semaphores are unlinked, not left in /dev/shm)
     return p.returncode, out, " ".join(out.replace("│", " ").split())  # rich wraps and boxes the message
 
 
 def test_a_launcher_job_whose_party_exits_before_reporting_stops(tmp_path):
-    from fate_rdma.bench.local import free_ports
+    from fate_rdma_lab.bench.local import free_ports
 
     rc, out, said = _launch(tmp_path, free_ports(3), "host")
     assert rc == 1, out[-3000:]
@@ -183,7 +183,7 @@ def test_a_launcher_job_whose_party_exits_before_reporting_stops(tmp_path):
 
 
 def test_a_launcher_job_whose_party_cannot_open_its_endpoint_stops(tmp_path):
-    from fate_rdma.bench.local import free_ports
+    from fate_rdma_lab.bench.local import free_ports
 
     ports = free_ports(3)
     taken = socket.socket()

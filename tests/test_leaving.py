@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-import easypyverbs as ev
+from easypyverbs.capabilities import ArrivalHook, LeavingWrites, PlacesWrites
 from easypyverbs.providers.soft.landing import TCP_PIECE_BYTES
+from easypyverbs.types import DataPath
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel import leaving as L
 from fate_rdma.channel.checksum import payload_digest
@@ -40,6 +41,9 @@ def _write(sides, data: bytes, hook, sge_cut: int = 0) -> None:
 def test_each_piece_of_a_write_is_handed_to_on_leave_in_order_before_it_goes(provider):
     sides = make_pair(provider, size=4 * MiB)
     try:
+        # the soft objects report their capabilities (easypyverbs.capabilities) and their data path
+        assert isinstance(sides[0].qp, LeavingWrites) and isinstance(sides[1].mr, PlacesWrites)
+        assert isinstance(sides[0].cq, ArrivalHook) and sides[0].qp.path_kind is DataPath.TCP_EMULATED
         assert sides[0].qp.calls_on_leave
         data = np.random.default_rng(1).integers(0, 256, 3 * MiB + 333, dtype=np.uint8).tobytes()
         seen = []
@@ -80,7 +84,7 @@ def test_on_the_same_host_path_the_peer_reads_the_bytes_and_on_leave_is_never_ca
     require_same_host()
     sides = make_pair("soft", size=2 * MiB)
     try:
-        assert not sides[0].qp.calls_on_leave
+        assert not sides[0].qp.calls_on_leave and sides[0].qp.path_kind is DataPath.SAME_HOST_EMULATED
         seen = []
         _write(sides, bytes(range(256)) * 4096, lambda off, piece: seen.append(off))
         assert seen == [] and bytes(sides[1].buf[:1 << 20]) == bytes(range(256)) * 4096
@@ -187,7 +191,11 @@ def test_fedrdma_e_over_tcp_digests_its_chunks_as_they_leave_and_still_verifies(
 
 def test_where_the_bytes_do_not_leave_through_the_sender_the_pool_digests_them():
     """Same-host path, a fill (a buffered put digests as it copies), a payload digested at once, no check, one chunk."""
-    qp_tcp, qp_host = type("Q", (), {"calls_on_leave": True})(), type("Q", (), {"calls_on_leave": False})()
+    def qp(leaves: bool) -> object:  # (capabilities.LeavingWrites: calls_on_leave, and a post_write that takes on_leave)
+        return type("Q", (), {"calls_on_leave": leaves, "post_write": lambda *a, **kw: None})()
+
+    qp_tcp, qp_host = qp(True), qp(False)
+    assert not L.LeavingDigest.wanted(64 * MiB, Integrity("xxh3"), None, [object()], 32 * MiB)  # no such capability
     x = Integrity("xxh3")
     assert L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp], 32 * MiB)
     assert not L.LeavingDigest.wanted(64 * MiB, x, None, [qp_tcp, qp_host], 32 * MiB)

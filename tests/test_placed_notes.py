@@ -19,8 +19,7 @@ from fate_rdma import protocol as P
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel.auth import write_secret
 from fate_rdma.channel import fedrdma_e as fe
-from fate_rdma.channel.handshake import Hello
-from fate_rdma.channel.posting import same_host_path
+from fate_rdma.protocol.hello import Hello
 from fate_rdma.errors import IntegrityError
 from fate_rdma.protocol.integrity import BLOCKWISE
 from fate_rdma.protocol.frames import CtrlKind
@@ -122,11 +121,11 @@ def test_bytes_corrupted_before_a_note_are_still_caught(monkeypatch, checksum):
     noted blocks) fails the transfer as an integrity error; nothing reaches the application."""
     start_blocks, flipped = fe.block_checksums_async, []
 
-    def corrupt_then_checksum(payload, first, known, landed=None, kind="crc32c", upto=None):
+    def corrupt_then_checksum(payload, first, known, landed, integrity, upto=None):
         if not flipped:
             flipped.append(first)
             payload[-1] ^= 0xFF
-        return start_blocks(payload, first, known, landed, kind, upto)
+        return start_blocks(payload, first, known, landed, integrity, upto)
 
     monkeypatch.setattr(fe, "block_checksums_async", corrupt_then_checksum)
     rx, tx = _pair(checksum=checksum)
@@ -194,7 +193,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
         for tid in (1000, 1001, 1002):
             conn.send_ctrl(P.Ctrl(CtrlKind.PLACED, tid, (0 << 48) | 4096, 0))
         wait_for(lambda: len(seen["notes"]) == 3, 10, "three notes at the receiver")
-        assert started == [0] and rconn.slot_receiver._early[0][0] == 1000
+        assert started == [0] and rconn.slot_receiver.machine.notes.noted(0) == (1000, 4096)
         monkeypatch.undo()
         seen = _spy(monkeypatch)
         for i in range(3):
@@ -203,7 +202,7 @@ def test_notes_for_a_second_transfer_under_one_grant_start_no_work(monkeypatch):
             msg = rx.recv(timeout=30)
             assert bytes(msg.view) == data.tobytes()
             msg.release()
-        assert 0 not in rconn.slot_receiver._early or rconn.slot_receiver._early[0][0] != 1000
+        assert rconn.slot_receiver.machine.notes.noted(0) != (1000, 4096)
         assert any(seen["known"])  # notes were used again after the stale entry went
 
 
@@ -215,7 +214,7 @@ def test_a_same_host_peer_gets_notes_only_where_cores_are_left_beside_its_copy(m
     rx, tx = _pair("soft")
     with rx, tx:
         conn = tx.connect(rx.address)
-        assert same_host_path(conn.rcs) and conn.slot_sender.notes is notes
+        assert conn.path.kind.same_host and conn.slot_sender.notes is notes
         data = np.random.default_rng(5).integers(0, 256, 24 * MiB, dtype=np.uint8)
         tx.send(rx.address, data).result(60)
         assert crc32c.crc32c(rx.recv(timeout=30).detach()) == crc32c.crc32c(data)

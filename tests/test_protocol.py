@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import random
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from easypyverbs.types import DataPath
 from fate_rdma import errors as E
 from fate_rdma import protocol as P
 from fate_rdma.protocol.fedrdma_e import slot_payload_offset
@@ -44,6 +46,30 @@ def test_header_round_trip_and_every_truncation_rejected():
     for n in range(P.CTRL.size + 3):
         with pytest.raises(E.RemoteProtocolError):
             P.decode_ctrl(raw[:n])
+
+
+KEY, OTHER_KEY = b"k" * 32, b"o" * 32
+
+
+@given(st.sampled_from(list(P.CtrlKind)), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+       st.text(max_size=40), st.integers(0, 1000), st.data())
+@settings(max_examples=200, deadline=None)
+def test_a_sealed_control_frame_opens_only_unaltered_in_its_place(kind, value, aux, reason, number, data):
+    """Sealed under a connection's control key, a frame is accepted only as that frame number, under that key,
+    byte for byte: any flipped bit (the tag included), another number (a replay, a reordering, a frame dropped
+    before it), the other direction's key, a missing tag, or the MAC's flag without a key is refused."""
+    c = P.Ctrl(kind, 3, value, aux, reason)
+    raw = P.encode_ctrl(c, KEY, number)
+    assert P.decode_ctrl(raw, KEY, number) == dataclasses.replace(c, reason=raw[P.CTRL.size:-16].decode())
+    bit = data.draw(st.integers(0, len(raw) * 8 - 1))
+    flipped = bytearray(raw)
+    flipped[bit // 8] ^= 1 << bit % 8
+    for bad, key, n in ((bytes(flipped), KEY, number), (raw, KEY, number + 1), (raw, OTHER_KEY, number),
+                        (raw[:-16], KEY, number), (P.encode_ctrl(c), KEY, number)):
+        with pytest.raises(E.RemoteProtocolError, match="control frame"):
+            P.decode_ctrl(bad, key, n)
+    with pytest.raises(E.RemoteProtocolError, match="no session key"):
+        P.decode_ctrl(raw)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -408,9 +434,11 @@ def test_auto_window_fills_the_bandwidth_delay_product():
 
 def test_auto_window_keeps_several_bdps_in_flight_over_the_soft_providers_tcp():
     # 100 Mbit/s x 20 ms = 250 KB = 3.8 chunks of 64 KiB: one BDP on a real QP, six over TCP
-    assert policy.auto_window(100e6, 0.020, 64 << 10, 4, 64, policy.window_bdps("pyverbs")) == 4 + 1
-    assert policy.auto_window(100e6, 0.020, 64 << 10, 4, 64, policy.window_bdps("soft")) == 23 + 1
-    assert policy.auto_window(100e6, 0.0, 64 << 10, 4, 64, policy.window_bdps("soft")) == 4  # loopback: the minimum
+    assert policy.auto_window(100e6, 0.020, 64 << 10, 4, 64, policy.window_bdps(DataPath.RDMA)) == 4 + 1
+    assert policy.auto_window(100e6, 0.020, 64 << 10, 4, 64, policy.window_bdps(DataPath.TCP_EMULATED)) == 23 + 1
+    assert policy.auto_window(100e6, 0.0, 64 << 10, 4, 64, policy.window_bdps(DataPath.TCP_EMULATED)) == 4  # loopback
+    # every emulated path completes through software over TCP: the same BDPs
+    assert {policy.window_bdps(k) for k in DataPath if k.emulated} == {policy.SOFTWARE_WINDOW_BDPS}
     with pytest.raises(E.LocalProtocolError):
         policy.auto_window(1e9, 0.01, 4096, 1, 4, 0.0)
 
@@ -528,15 +556,12 @@ def test_auto_sets_up_one_qp_to_a_peer_on_this_host():
 
 
 def test_the_paths_rate_window_and_qps_in_use():
-    class Model:
-        rate_bps = 1e9
-
-    assert policy.path_rate_bps(5e8, Model()) == 5e8  # configured wins
-    assert policy.path_rate_bps(None, Model()) == 1e9  # then the soft link model's
+    assert policy.path_rate_bps(5e8, 1e9) == 5e8  # configured wins
+    assert policy.path_rate_bps(None, 1e9) == 1e9  # then the emulated link's
     assert policy.path_rate_bps(None, None) == policy.NOMINAL_RATE_BPS
-    assert policy.window_for(3, 100e6, 0.020, 64 << 10, 4, 64, "soft") == 3  # a configured window stands
-    assert policy.window_for("auto", 100e6, 0.020, 64 << 10, 4, 64, "soft") == 24
-    assert policy.window_for("auto", 100e6, 0.020, 64 << 10, 4, 64, "pyverbs") == 5
+    assert policy.window_for(3, 100e6, 0.020, 64 << 10, 4, 64, DataPath.TCP_EMULATED) == 3  # a configured window stands
+    assert policy.window_for("auto", 100e6, 0.020, 64 << 10, 4, 64, DataPath.LINK_EMULATED) == 24
+    assert policy.window_for("auto", 100e6, 0.020, 64 << 10, 4, 64, DataPath.RDMA) == 5
     assert policy.qps_in_use(2, 0.05, 2) == 2
     assert policy.qps_in_use("auto", None, 4) == 1  # until the probe has measured the RTT
     assert policy.qps_in_use("auto", 0.05, 4) == 4 and policy.qps_in_use("auto", 0.001, 4) == 1
@@ -560,5 +585,5 @@ def test_fedrdma_e_writes_larger_chunks_over_the_soft_providers_tcp_only():
     assert not policy.short_tcp_path(True, None)  # until the probe has measured it
     assert not policy.short_tcp_path(False, 0.0002)  # RDMA, the link model
     # the automatic window keeps the same bytes in flight with the larger chunk (not four times as many)
-    assert policy.window_for("auto", 10e9, 0.020, 16 << 20, 4, 64, "soft") == 10
-    assert policy.window_for("auto", 10e9, 0.020, 4 << 20, 4, 64, "soft") == 37
+    assert policy.window_for("auto", 10e9, 0.020, 16 << 20, 4, 64, DataPath.TCP_EMULATED) == 10
+    assert policy.window_for("auto", 10e9, 0.020, 4 << 20, 4, 64, DataPath.TCP_EMULATED) == 37

@@ -195,8 +195,8 @@ def test_demo_part_2_gives_bench_fate_every_argument():
     `bench fate` defines (a new bench option once broke `make demo` here)."""
     import argparse
 
-    from fate_rdma.bench import fate_federation
-    from fate_rdma.cli.demo import full_comparison_args
+    from fate_rdma_lab.bench import fate_federation
+    from fate_rdma_lab.cli.demo import full_comparison_args
 
     p = argparse.ArgumentParser()
     fate_federation.add_arguments(p)
@@ -217,3 +217,24 @@ def test_memory_windows_setting(monkeypatch):
     monkeypatch.setenv("EASYPYVERBS_MEMORY_WINDOWS", "auto")
     with pytest.raises(ev.UsageError, match="EASYPYVERBS_MEMORY_WINDOWS='auto': expected on or off"):
         windows_wanted(True)
+
+
+def test_the_soft_nic_listens_on_the_ports_it_is_given(tmp_path):
+    """soft_data_ports: the data listener takes the first free port of the range (so that a firewall can name
+    them); once every port is taken, opening one more says so and how to fix it."""
+    from fate_rdma.channel import Endpoint
+    from fate_rdma.config import ChannelConfig
+
+    from fate_rdma_lab.bench.local import free_ports
+
+    low = free_ports(1)[0]
+    cfg = ChannelConfig(provider="soft", soft_data_ports=f"{low}-{low + 1}")
+    with Endpoint(cfg) as a, Endpoint(cfg) as b:
+        ports = sorted(int(ep.ctx.nic_address.rpartition(":")[2]) for ep in (a, b))
+        assert ports == [low, low + 1]
+        a.send(b.address, b"through the named ports").result(20)
+        assert bytes(b.recv(20).detach()) == b"through the named ports"
+        with pytest.raises(ev.EasyVerbsError, match=f"every data port of {low}-{low + 1} .*soft_data_ports"):
+            Endpoint(cfg)
+    with pytest.raises(Exception, match="soft_data_ports must be LOW-HIGH"):
+        ChannelConfig(soft_data_ports="9000-80")

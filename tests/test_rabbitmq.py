@@ -24,7 +24,7 @@ pytest.importorskip("pika", reason="pika (FATE's rabbitmq client) is not install
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rabbitmq_node import RabbitNode, listening, unavailable  # noqa: E402
 
-from fate_rdma.bench.local import free_ports  # noqa: E402
+from fate_rdma_lab.bench.local import free_ports  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("guest", "host", "arbiter")

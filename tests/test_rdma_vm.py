@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fate_rdma import rdma_vm
+from fate_rdma_lab import vm as rdma_vm
 
 
 def cli(*args):

@@ -16,7 +16,7 @@ import pytest
 import easypyverbs as ev
 from easypyverbs.providers.soft import samehost, wire
 from fate_rdma import errors as E
-from fate_rdma.bench.driver import PeerProcess
+from fate_rdma_lab.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.config import ChannelConfig
 
@@ -32,7 +32,7 @@ def cfg(mode, **kw):
 
 
 def peer(config):
-    p = PeerProcess(module="fate_rdma.bench.transfer_peer")
+    p = PeerProcess(module="fate_rdma_lab.bench.transfer_peer")
     addr = p.cmd({"cmd": "endpoint", "config": dict(config.__dict__), "record": True})["address"]
     return p, addr
 

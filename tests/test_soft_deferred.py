@@ -8,7 +8,7 @@ import time
 import pytest
 
 import easypyverbs as ev
-from easypyverbs.providers.soft import qp as qpmod, responder as respmod, wire
+from easypyverbs.providers.soft import responder as respmod, wire
 
 from .test_soft_wire import _spy_answers
 from .verbs_pair import close_pair, make_pair
@@ -16,9 +16,9 @@ from .verbs_pair import close_pair, make_pair
 
 def _outstanding_drains(qp, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
-    while qp._outstanding and time.monotonic() < deadline:
+    while qp.requester.outstanding and time.monotonic() < deadline:
         time.sleep(0.005)
-    return qp._outstanding == 0
+    return qp.requester.outstanding == 0
 
 
 def test_unsignaled_requests_are_answered_with_a_later_one_or_after_a_while(monkeypatch):
@@ -29,20 +29,20 @@ def test_unsignaled_requests_are_answered_with_a_later_one_or_after_a_while(monk
     answers = _spy_answers(monkeypatch)
     a, b = make_pair("soft-tcp", size=1 << 16, cap=ev.QPCap(max_send_wr=16, max_recv_wr=16))
     try:
-        assert a.qp._defer_ack and b.qp._defer_ok  # (taken in the HELLO exchange, both ways)
+        assert a.qp.requester._defer_ack and b.qp.responder._defer_ok  # (taken in the HELLO exchange, both ways)
         for k in range(4):
             b.qp.post_recv(b.mr.sge(k * 64, 64), wr_id=k)
         monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 30.0)  # nothing answered for waiting here
         a.qp.post_send(a.mr.sge(0, 10), wr_id=1, signaled=False)
         a.qp.post_send(a.mr.sge(0, 20), wr_id=2, signaled=False)
         assert [wc.byte_len for wc in b.cq.wait_n(2, 10)] == [10, 20]
-        assert answers == [] and a.qp._outstanding == 2
+        assert answers == [] and a.qp.requester.outstanding == 2
         a.qp.post_send(a.mr.sge(0, 30), wr_id=3)  # signaled: answered at once, for all three
         assert [wc.wr_id for wc in a.cq.wait_n(1, 10)] == [3] and b.cq.wait_n(1, 10)[0].byte_len == 30
         assert answers == [wire.ACK] and _outstanding_drains(a.qp)
         monkeypatch.setattr(respmod, "DEFERRED_ACK_S", 0.01)
-        real_owed = qpmod.SoftQP._send_owed
-        monkeypatch.setattr(qpmod.SoftQP, "_send_owed",
+        real_owed = respmod.Responder.send_owed
+        monkeypatch.setattr(respmod.Responder, "send_owed",
                             lambda self: (answers.append("owed") if self._owed_psn is not None else None, real_owed(self)))
         a.qp.post_send(a.mr.sge(0, 40), wr_id=4, signaled=False)  # lone: answered once the window passed
         assert b.cq.wait_n(1, 10)[0].byte_len == 40
@@ -58,7 +58,7 @@ def test_answers_are_not_deferred_when_switched_off_or_under_tls_or_a_link_model
         monkeypatch.setenv("EASYPYVERBS_SOFT_DEFER_ACK", "off")
     a, b = make_pair("soft-tls" if case == "tls" else "soft-tcp", **({"link": "rtt=2ms"} if case == "link model" else {}))
     try:
-        assert not a.qp._defer_ack and not b.qp._defer_ok and not b.qp._defer_ack
+        assert not a.qp.requester._defer_ack and not b.qp.responder._defer_ok and not b.qp.requester._defer_ack
         b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
         a.qp.post_send(a.mr.sge(0, 10), wr_id=1, signaled=False)
         assert b.cq.wait_n(1, 10)[0].ok and _outstanding_drains(a.qp)
@@ -72,7 +72,7 @@ def test_a_request_that_defers_its_answer_unasked_is_a_protocol_violation(monkey
     monkeypatch.setenv("EASYPYVERBS_SOFT_DEFER_ACK", "off")
     a, b = make_pair("soft-tcp")
     try:
-        a.qp._defer_ack = True  # (a requester that ignores what the HELLO settled)
+        a.qp.requester._defer_ack = True  # (a requester that ignores what the HELLO settled)
         b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
         a.qp.post_send(a.mr.sge(0, 10), wr_id=7, signaled=False)
         wcs = b.cq.wait_n(1, 10)
@@ -90,7 +90,7 @@ def test_an_answer_still_owed_when_the_responder_closes_is_sent_first(monkeypatc
     try:
         b.qp.post_recv(b.mr.sge(0, 64), wr_id=1)
         a.qp.post_send(a.mr.sge(0, 10), wr_id=9, signaled=False)
-        assert b.cq.wait_n(1, 10)[0].ok and a.qp._outstanding == 1  # placed, its answer owed
+        assert b.cq.wait_n(1, 10)[0].ok and a.qp.requester.outstanding == 1  # placed, its answer owed
         b.qp.close()
         assert _outstanding_drains(a.qp)
         time.sleep(0.2)  # (the closed connection, seen by the requester after the answer)

@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 
 import crc32c
 import numpy as np
@@ -64,7 +65,7 @@ def test_a_large_write_into_a_peer_on_this_host_is_pushed_and_verified(monkeypat
                 assert len(targets) == 6 and all(targets)
             else:
                 assert targets == []
-            assert qp._push is (switch != "off") and not qp._no_push_rkeys  # auto: still offered
+            assert qp.requester._push is (switch != "off") and not qp.requester._no_push_rkeys  # auto: still offered
     finally:
         p.close()
 
@@ -80,7 +81,7 @@ def test_writes_into_private_memory_are_answered_no_push_once_per_rkey(targets):
             ep.send(addr, data).result(60)
             assert p.cmd({"cmd": "expect", "count": 1, "timeout_s": 60})["records"][0]["crc32c"] == crc32c.crc32c(data)
             qp = ep.connect(addr).rcs[0].qp
-            assert targets == [] and qp._push and len(qp._no_push_rkeys) == 1
+            assert targets == [] and qp.requester._push and len(qp.requester._no_push_rkeys) == 1
     finally:
         p.close()
 
@@ -115,8 +116,8 @@ def test_a_push_at_naming_us_or_a_pid_that_is_not_the_peer_is_declined(caplog):
     try:
         buf = np.zeros(2 << 20, dtype=np.uint8)
         mr = ctx.alloc_pd().reg_mr(buf, ev.Access.LOCAL_WRITE)
-        q = R.Requester()
-        q.qpn, q._push, q._push_regions, q._req_sock = 1, True, None, None
+        q = R.Requester(types.SimpleNamespace(qpn=1), 0)  # (a QP port with only what a push's checks read)
+        q._push = True
         wr = R._WR(7, "write", [mr.sge(0, buf.nbytes)], 0x10000, 1, None, True)
         ours = ev.buffers.shared_array(4 << 20)
         fd, ino, base, size = shm.region_of([(int(ours.ctypes.data), 1)])

@@ -66,11 +66,11 @@ def test_a_write_from_shared_memory_is_read_through_a_mapping(monkeypatch):
             a.qp.post_write(mr.sge(0, n), b.mr.remote(), wr_id=i)
             assert a.cq.wait_n(1, 20)[0].ok
         assert bytes(b.buf[:n]) == src.tobytes()
-        assert b.qp._regions is not None and b.qp._regions.mapped_total == 1
+        assert b.qp.responder._regions is not None and b.qp.responder._regions.mapped_total == 1
         mr.close()
     finally:
         close_pair([a, b])
-    assert b.qp._regions is not None and not b.qp._regions._maps  # unmapped when the responder ended
+    assert b.qp.responder._regions is not None and not b.qp.responder._regions._maps  # unmapped when the responder ended
 
 
 def test_a_write_from_private_memory_still_uses_process_vm_readv(monkeypatch):
@@ -82,7 +82,7 @@ def test_a_write_from_private_memory_still_uses_process_vm_readv(monkeypatch):
         a.buf[:] = bytes(i % 251 for i in range(len(a.buf)))
         a.qp.post_write(a.mr.sge(0, len(a.buf)), b.mr.remote())
         assert a.cq.wait_n(1, 20)[0].ok
-        assert b.buf == a.buf and calls and b.qp._regions is None
+        assert b.buf == a.buf and calls and b.qp.responder._regions is None
     finally:
         close_pair([a, b])
 
@@ -108,7 +108,7 @@ def test_a_region_that_cannot_be_mapped_is_read_with_process_vm_readv(monkeypatc
     try:
         a.qp.post_write(mr.sge(0, n), b.mr.remote())
         assert a.cq.wait_n(1, 20)[0].ok
-        assert bytes(b.buf[:n]) == src.tobytes() and b.qp._regions.mapped_total == 0
+        assert bytes(b.buf[:n]) == src.tobytes() and b.qp.responder._regions.mapped_total == 0
         mr.close()
     finally:
         close_pair([a, b])
@@ -129,7 +129,7 @@ def test_a_region_with_holes_is_read_with_process_vm_readv(monkeypatch):
         b.buf[:] = b"\xff" * n
         a.qp.post_write(mr.sge(0, n), b.mr.remote())
         assert a.cq.wait_n(1, 20)[0].ok
-        assert b.buf[:n] == bytes(n) and calls and b.qp._regions.mapped_total == 1
+        assert b.buf[:n] == bytes(n) and calls and b.qp.responder._regions.mapped_total == 1
         mr.close()
     finally:
         close_pair([a, b])
@@ -213,14 +213,14 @@ def test_a_region_the_requester_frees_is_unmapped_while_the_qp_idles():
     try:
         a.qp.post_write(mr.sge(0, n), b.mr.remote())
         assert a.cq.wait_n(1, 20)[0].ok
-        assert b.qp._regions.mapped == 1
+        assert b.qp.responder._regions.mapped == 1
         mr.close()
         del src, mr
         gc.collect()
         deadline = time.monotonic() + 10  # PRUNE_EVERY_S, and no further request comes
-        while b.qp._regions.mapped and time.monotonic() < deadline:
+        while b.qp.responder._regions.mapped and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert b.qp._regions.mapped == 0
+        assert b.qp.responder._regions.mapped == 0
     finally:
         close_pair([a, b])
 

@@ -110,7 +110,7 @@ def test_bad_wr_in_a_batch_fails_the_qp_and_flushes_the_rest():
         other = a.pd.reg_mr(bytearray(4096), ev.Access.LOCAL_WRITE)
         first = qpmod.DOORBELL_INFLIGHT  # WRs before it leave from this thread, by the doorbell
         bad, n = first + 1, first + 4  # the send thread's batch is [first, bad, ...]: the bad WR in its middle
-        with a.qp._cv:  # the sender thread cannot take any WR until all are posted
+        with a.qp.cv:  # the sender thread cannot take any WR until all are posted
             for i in range(n):
                 sge = other.sge(0, 512) if i == bad else a.mr.sge(i * 512, 512)
                 a.qp.post_write(sge, b.mr.remote(), remote_offset=i * 512, wr_id=i)
@@ -131,7 +131,7 @@ def test_small_and_large_writes_mixed_in_flight():
         a.buf[:] = bytes(i % 253 for i in range(len(a.buf)))
         sizes = [100, 300 << 10, 5, 2 << 20, 1] + [16 << 10] * 40 + [(1 << 20) - 40, 3]  # 3.9 MiB
         off = 0
-        with a.qp._cv:  # all posted before the sender takes any: the batches are as large as they can be
+        with a.qp.cv:  # all posted before the sender takes any: the batches are as large as they can be
             for i, n in enumerate(sizes):
                 a.qp.post_write(a.mr.sge(off, n), b.mr.remote(), remote_offset=off, wr_id=i)
                 off += n
@@ -241,8 +241,8 @@ def test_a_lone_small_write_leaves_from_the_posting_thread(monkeypatch):
         assert a.cq.wait_n(1, 10)[0].ok and calls == [threading.current_thread().name]
         a.qp.post_write(a.mr.sge(0, 512 << 10), b.mr.remote(), wr_id=2)  # larger than INLINE_SEND_BYTES
         assert a.cq.wait_n(1, 10)[0].ok and len(calls) == 1
-        with a.qp._cv:  # nothing is answered while we hold the lock: the first WRs fill the doorbell's room
-            assert a.qp._cv.wait_for(lambda: not a.qp._tx_busy, 10)  # (the send thread may not have let go yet)
+        with a.qp.cv:  # nothing is answered while we hold the lock: the first WRs fill the doorbell's room
+            assert a.qp.cv.wait_for(lambda: not a.qp.requester._tx_busy, 10)  # (the send thread may not have let go yet)
             for i in range(20):
                 a.qp.post_write(a.mr.sge(i * 1024, 1024), b.mr.remote(), remote_offset=i * 1024, wr_id=10 + i)
         wcs = a.cq.wait_n(20, 10)
@@ -264,8 +264,8 @@ def test_a_doorbell_write_cut_short_is_finished_before_the_next_wr(monkeypatch):
             a.qp.post_write(a.mr.sge(i * 4096, 4096), b.mr.remote(), remote_offset=i * 4096, wr_id=i)
             if i < 6:  # idle in between: the doorbell rings again once the send thread has written the rest
                 assert a.cq.wait_n(1, 10)[0].ok
-                with a.qp._cv:
-                    assert a.qp._cv.wait_for(lambda: not a.qp._tx_busy, 10)
+                with a.qp.cv:
+                    assert a.qp.cv.wait_for(lambda: not a.qp.requester._tx_busy, 10)
         wcs = a.cq.wait_n(34, 10)
         assert all(wc.ok for wc in wcs) and a.qp.state == ev.QPState.RTS
         assert len(calls) >= 7  # each idle moment rang the doorbell; the stream's WRs went by the send thread
@@ -330,8 +330,8 @@ def test_a_field_that_does_not_fit_is_refused_at_post():
 def _spy_answers(monkeypatch):
     """The kinds of the responders' answers (ACK, NAK, ...), in order."""
     answers = []
-    real_answer = qpmod.SoftQP._answer
-    monkeypatch.setattr(qpmod.SoftQP, "_answer", lambda self, *a, **k: (answers.append(a[2]), real_answer(self, *a, **k)))
+    real_answer = respmod.Responder._answer
+    monkeypatch.setattr(respmod.Responder, "_answer", lambda self, *a, **k: (answers.append(a[2]), real_answer(self, *a, **k)))
     return answers
 
 
@@ -428,7 +428,7 @@ def test_a_batch_of_small_wrs_leaves_in_one_write_and_is_answered_once(monkeypat
                     pass
         with a.qp.batch():
             a.qp.post_write(a.mr.sge(0, 8), b.mr.remote(), wr_id=40)
-            a.qp._enter_error(ev.WCStatus.WR_FLUSH_ERR, "test: the QP fails while a batch is open")
+            a.qp.enter_error(ev.WCStatus.WR_FLUSH_ERR, "test: the QP fails while a batch is open")
         (wc,) = a.cq.wait_n(1, 10)
         assert wc.wr_id == 40 and wc.status == ev.WCStatus.WR_FLUSH_ERR
     finally:

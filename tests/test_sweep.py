@@ -72,7 +72,7 @@ def test_sweep_records_rows_table_plot_survives_a_failed_rank_and_resumes(tmp_pa
 def test_sweep_table_takes_each_ranks_last_job(tmp_path):
     """A rank that failed and then completed on --resume shows its figures; a job cut short before its
     last round is not complete, so --resume runs it again."""
-    from fate_rdma.llm.sweep import Settings, complete, markdown, summary
+    from fate_rdma_lab.llm.sweep import Settings, complete, markdown, summary
 
     def ok(rank, rnd, run_id, loss):
         return {"rank": rank, "transport": "fate-rdma", "run_id": run_id, "status": "ok", "round": rnd,
@@ -97,7 +97,7 @@ def test_sweep_table_takes_each_ranks_last_job(tmp_path):
 def test_sweep_resume_refuses_other_settings_and_an_unknown_folder(tmp_path):
     """Rows made with other rounds or models would not compare: --resume refuses them (exit 2), as it
     refuses a folder that holds no sweep."""
-    from fate_rdma.llm.sweep import Settings
+    from fate_rdma_lab.llm.sweep import Settings
 
     folder = tmp_path / "s"
     folder.mkdir()

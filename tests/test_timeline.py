@@ -9,8 +9,8 @@ import time
 import pytest
 
 from fate_rdma import trace
-from fate_rdma.bench import timeline
-from fate_rdma.bench.transfer_peer import hold_gil
+from fate_rdma_lab.bench import timeline
+from fate_rdma_lab.bench.transfer_peer import hold_gil
 from fate_rdma.channel import Endpoint
 
 from .test_channel import cfg_for

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import socket
-import threading
 import time
 
 import crc32c
@@ -19,12 +17,14 @@ import pytest
 import easypyverbs as ev
 from easypyverbs.tls import MutualTLS
 from fate_rdma import errors as E
-from fate_rdma.bench.driver import PeerProcess
+from fate_rdma_lab.bench.driver import PeerProcess
 from fate_rdma.channel import Endpoint
 from fate_rdma.channel.auth import write_secret
 from fate_rdma.cli.tls import make_certificates
 from fate_rdma.config import ChannelConfig
 from fate_rdma.federation.flow import FlowRouteError, check_job_section
+
+from .relay import Relay
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command line tool is not installed")
 
@@ -59,7 +59,7 @@ def cfg(pki, party=None, mode="fedrdma-e", secret=True, ca=None, files=None, **k
 def test_round_trip_over_tls(pki, mode):
     """guest:9999 sends to host:10000 in another process: HMAC inside TLS on the bootstrap, TLS on
     every soft data connection (both directions: WRITEs one way, control frames the other)."""
-    peer = PeerProcess(module="fate_rdma.bench.transfer_peer")
+    peer = PeerProcess(module="fate_rdma_lab.bench.transfer_peer")
     try:
         c = cfg(pki, "host:10000", mode)
         addr = peer.cmd({"cmd": "endpoint", "config": dict(c.__dict__), "record": True,
@@ -160,48 +160,6 @@ def test_plaintext_peer_is_refused_either_way(pki):
 
 
 # -- the soft provider's data connections -----------------------------------------------------------
-class Relay:
-    """A TCP relay in front of a soft NIC that keeps what the requester sent through it."""
-
-    def __init__(self, target: str) -> None:
-        host, _, port = target.rpartition(":")
-        self.target = (host, int(port))
-        self.lsock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.lsock.getsockname()[1]}"
-        self.seen = bytearray()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, keep: bool) -> None:
-        try:
-            while True:
-                b = src.recv(1 << 16)
-                if not b:
-                    break
-                if keep:
-                    self.seen += b
-                dst.sendall(b)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def _serve(self) -> None:
-        try:
-            a, _ = self.lsock.accept()
-        except OSError:
-            return
-        b = socket.create_connection(self.target)
-        threading.Thread(target=self._pipe, args=(a, b, True), daemon=True).start()
-        threading.Thread(target=self._pipe, args=(b, a, False), daemon=True).start()
-
-    def close(self) -> None:
-        self.lsock.close()
-
-
 def _soft_side(tls, size):
     ctx = ev.open_device(provider="soft", same_host=False, retry_timeout_s=5.0, tls=tls)
     pd = ctx.alloc_pd()
@@ -214,7 +172,8 @@ def _soft_side(tls, size):
 def _write_through_relay(tls_a, tls_b, payload: bytes):
     """A WRITE from a to b whose connection passes a relay; (what arrived at b, what the relay saw)."""
     a, b = _soft_side(tls_a, len(payload)), _soft_side(tls_b, len(payload))
-    relay = Relay(b[1].info().gid)
+    host, _, port = b[1].info().gid.rpartition(":")
+    relay = Relay((host, int(port)))
     try:
         b[1].connect(a[1].info(), 5)
         a[1].connect(dataclasses.replace(b[1].info(), gid=relay.address), 5)
@@ -223,7 +182,7 @@ def _write_through_relay(tls_a, tls_b, payload: bytes):
         (wc,) = a[2].wait(10)
         if not wc.ok:
             raise ev.CompletionError(wc)
-        return bytes(b[3]), bytes(relay.seen)
+        return bytes(b[3]), bytes(relay.dialer_bytes)
     finally:
         relay.close()
         a[0].close()
@@ -268,6 +227,40 @@ def test_tls_init_cli(tmp_path, capsys):
     assert certificate_names(str(tmp_path / "host_10000+arbiter_10000.pem")) == ["host:10000", "arbiter:10000"]
     assert main(["tls", "init", str(tmp_path), "--parties", "guest:9999"]) == 2  # exists: not replaced
     assert main(["tls", "init", str(tmp_path), "--parties", "guest/9999"]) == 2
+
+
+def test_sites_request_the_ca_signs_and_no_key_travels(tmp_path, capsys):
+    """`tls request` at each site (its key stays in the site's folder), `tls sign` at the CA (which sees requests
+    only, and names the parties its operator gives): the two sites then talk mutual TLS without a secret, and
+    a request signed for another party than it asks for is refused."""
+    from fate_rdma.cli import main
+
+    sites = {p: tmp_path / p.replace(":", "_") for p in ("guest:9999", "host:10000")}
+    ca = tmp_path / "ca"
+    for party, folder in sites.items():
+        assert main(["tls", "request", str(folder), "--party", party]) == 0
+        stem = party.replace(":", "_")
+        assert os.stat(folder / f"{stem}.key").st_mode & 0o777 == 0o600
+        assert main(["tls", "sign", str(ca), str(folder / f"{stem}.csr"), "--party", party]) == 0
+        shutil.copy(ca / "ca.pem", folder / "ca.pem")  # (the CA sends back the certificate and ca.pem)
+    assert sorted(os.listdir(ca)) == ["ca.key", "ca.pem"]  # no site key at the CA
+    assert main(["tls", "sign", str(ca), str(sites["host:10000"] / "host_10000.csr"), "--party", "guest:9999"]) == 2
+    assert "asks for 'host:10000', not 'guest:9999'" in capsys.readouterr().err
+    assert main(["tls", "request", str(sites["guest:9999"]), "--party", "guest:9999"]) == 2  # its key exists
+
+    def site_cfg(party):
+        folder, stem = sites[party], party.replace(":", "_")
+        return ChannelConfig(provider="soft", same_host=False, connect_timeout_s=5, tls=True,
+                             tls_cert=str(folder / f"{stem}.pem"), tls_key=str(folder / f"{stem}.key"),
+                             tls_ca=str(folder / "ca.pem"))
+
+    with Endpoint(site_cfg("host:10000"), allowed_peers=["guest:9999"]) as host:  # (named by its address)
+        with Endpoint(site_cfg("guest:9999"), name="guest:9999", party_names={host.address: "host:10000"}) as guest:
+            guest.send(host.address, b"weights" * 1000).result(20)
+            msg = host.recv(20)
+            assert bytes(msg.view) == b"weights" * 1000 and msg.peer == "guest:9999"
+            assert guest.connect(host.address).send_integrity.kind == "blake3"  # TLS alone keys the MAC
+            msg.release()
 
 
 def test_config_errors(pki, tmp_path):

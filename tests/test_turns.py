@@ -1,5 +1,5 @@
 """Where a connection's work runs: a user's send or release is taken in the caller's thread when no turn is
-running (connection._request), and the soft provider's NIC threads hand their completions to the connection
+running (engine.Engine._request), and the soft provider's NIC threads hand their completions to the connection
 in their own thread (SoftCQ.on_arrival). Fewer thread hand-offs a message; the same protocol under one lock.
 These tests pin where the work runs and that a failure in a borrowed thread ends the connection as the
 engine's own failure would: the transfers fail with a clear error, no caller is hung or interrupted by it."""
@@ -10,10 +10,9 @@ import threading
 import pytest
 
 import easypyverbs as ev
-import fate_rdma.channel.connection as conn_mod
 from fate_rdma import errors as E
 from fate_rdma.channel import Endpoint
-from fate_rdma.channel import completions, turns
+from fate_rdma.channel.engine import Engine
 
 from .test_channel import cfg_for
 from .verbs_pair import close_pair, make_pair
@@ -87,8 +86,8 @@ def test_on_arrival_sees_the_senders_write_completions_in_the_ack_thread():
 # -- a connection's turns in borrowed threads --------------------------------------------------------
 @pytest.mark.parametrize("mode", ["fedrdma-e", "fedrdma"])
 def test_sends_start_in_the_callers_thread_and_completions_are_handled_in_the_nics(monkeypatch, mode):
-    pumps = _threads_of(monkeypatch, conn_mod.Connection, "_pump")
-    wcs = _threads_of(monkeypatch, completions, "_on_recv")
+    pumps = _threads_of(monkeypatch, Engine, "_pump")
+    wcs = _threads_of(monkeypatch, Engine, "_on_recv")
     cfg = cfg_for(mode, "soft-tcp")
     with Endpoint(cfg) as rx, Endpoint(cfg) as tx:
         for i in range(20):  # (each place is a matter of timing for one message; over 20, both show)
@@ -106,18 +105,18 @@ def test_a_failure_in_the_callers_turn_ends_the_connection_not_the_call(monkeypa
     with Endpoint(cfg) as rx, Endpoint(cfg) as tx:
         tx.send(rx.address, b"warm").result(20)
         rx.recv(timeout=20).release()
-        pump = conn_mod.Connection._pump
+        pump = Engine._pump
 
         def broken(self):
             if threading.current_thread() is threading.main_thread():
                 raise RuntimeError("a bug in a turn")
             return pump(self)
 
-        monkeypatch.setattr(conn_mod.Connection, "_pump", broken)
+        monkeypatch.setattr(Engine, "_pump", broken)
         fut = tx.send(rx.address, b"x" * 1000)  # the call itself returns: its turn's failure is the engine's to report
         with pytest.raises(E.PeerUnreachable, match="a bug in a turn"):
             fut.result(20)
-        monkeypatch.setattr(conn_mod.Connection, "_pump", pump)
+        monkeypatch.setattr(Engine, "_pump", pump)
         tx.send(rx.address, b"y").result(20)  # the endpoint connects anew; nothing of the failed one arrived
         msg = rx.recv(timeout=20)
         assert bytes(msg.view) == b"y"
@@ -136,11 +135,34 @@ def test_an_interrupt_in_the_callers_turn_reaches_the_caller_and_ends_the_connec
                 raise KeyboardInterrupt
             return None
 
-        monkeypatch.setattr(conn_mod.Connection, "_pump", interrupted)
+        monkeypatch.setattr(Engine, "_pump", interrupted)
         with pytest.raises(KeyboardInterrupt):
             conn.send(b"x" * 1000)
-        conn._thread.join(10)
-        assert not conn._thread.is_alive() and isinstance(conn.dead, KeyboardInterrupt)
+        conn.engine.thread.join(10)
+        assert not conn.engine.thread.is_alive() and isinstance(conn.dead, KeyboardInterrupt)
+
+
+class _PatientLock:
+    """A turn lock whose try-acquire waits (up to 2 s) in the NIC's threads: a completion that lands while another
+    thread's turn holds the lock is still handled where it landed, so the test does not depend on timing."""
+
+    def __init__(self, lock, engine) -> None:
+        self._lock, self._engine = lock, engine
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        nic = threading.current_thread() not in (self._engine.thread, threading.main_thread())
+        if not blocking and nic:
+            return self._lock.acquire(timeout=2.0)
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def test_a_failure_in_the_nics_thread_ends_the_connection(monkeypatch):
@@ -150,21 +172,19 @@ def test_a_failure_in_the_nics_thread_ends_the_connection(monkeypatch):
     with Endpoint(cfg) as rx, Endpoint(cfg) as tx:
         tx.send(rx.address, b"warm").result(20)
         rx.recv(timeout=20).release()
-        real = turns.on_wc
+        real = Engine._on_wc
+        engine = tx.connect(rx.address).engine
+        nic_calls = []
 
-        def broken(conn, wc):  # (turns.on_wc: the NIC threads' path only; the engine's is connection.on_wc)
-            if conn.endpoint is tx:
+        def broken(self, wc):  # (the NIC threads' path only: not the engine's own thread)
+            if self is engine and threading.current_thread() not in (self.thread, threading.main_thread()):
+                nic_calls.append(threading.current_thread().name)
                 raise RuntimeError("a bug in a completion")
-            return real(conn, wc)
+            return real(self, wc)
 
-        monkeypatch.setattr(turns, "on_wc", broken)
-        for _ in range(50):  # (the engine takes a completion itself when a turn is running as it lands)
-            fut = tx.send(rx.address, b"z" * 1000)  # its verdict comes back as a control frame: a receive at tx
-            try:
-                fut.result(20)
-            except E.PeerUnreachable as exc:
-                assert "a bug in a completion" in str(exc)
-                break
-            rx.recv(timeout=20).release()
-        else:
-            pytest.fail("no completion was handled in a NIC thread in 50 messages")
+        monkeypatch.setattr(Engine, "_on_wc", broken)
+        monkeypatch.setattr(engine, "_turn_lock", _PatientLock(engine._turn_lock, engine))
+        fut = tx.send(rx.address, b"z" * 1000)  # its verdict comes back as a control frame: a receive at tx
+        with pytest.raises(E.PeerUnreachable, match="a bug in a completion"):
+            fut.result(20)
+        assert nic_calls, "the failure did not come from a NIC thread"

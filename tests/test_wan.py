@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fate_rdma import wan
+from fate_rdma_lab.testbed import bed as wan
 from fate_rdma.cli import main as cli_main
-from fate_rdma.wan_run import SiteProcess, check_transfer, link_rx_bytes
+from fate_rdma_lab.testbed.run import SiteProcess, check_transfer, link_rx_bytes, measure
 
 RATE_BPS = 50_000_000
 LINK = wan.LinkSpec(rate_bps=RATE_BPS, delay_ms=5.0, loss_pct=0.1, reorder_pct=0.5, reorder_gap_ms=2.0)
@@ -79,7 +79,7 @@ def test_wan_smoke(can_build: None, prefix: str, capsys: pytest.CaptureFixture) 
     tb = wan.Testbed(links=(LINK, LINK), prefix=prefix)
     before = _host_snapshot()
     try:
-        state = wan.up(tb, measure_seconds=1.0)
+        state = wan.up(tb, measure_seconds=1.0, measure=measure)
         m = state["measured"]
         print(f"\n{m['rtt']} tcp {wan.fmt_rate(m['tcp']['bps'])}\n{m['note']}")
         # the delay helper holds each packet 5 ms per direction: no RTT below 10 ms can cross it
@@ -221,7 +221,7 @@ def test_eval_link_quick(can_build: None, prefix: str, tmp_path: Path, capsys: p
                                                 "fedrdma-e w=1", "fedrdma-e auto", "mooncake sync", "mooncake batch"]
     for r in rows:
         if r["kind"] == "mooncake" and r["skipped"]:  # the extra is absent: the row says how to install it
-            assert "pip install 'fate-rdma[mooncake]'" in r["skipped"]
+            assert "pip install -e './lab[mooncake]'" in r["skipped"]
             continue
         assert r["verified"] and r["median_s"] > 0 and r["bytes"] == 2 << 20 and r["link_bytes"] >= 2 << 20, r
         assert "scaled rate 50 Mbit/s" in r["note"] and r["measured"]["rtt_median_ms"] >= 9.5, r
@@ -301,7 +301,7 @@ def test_eval_cost_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert [r["method"] for r in rows] == ["tcp stream", "grpc stream", "fedrdma", "fedrdma-e", "mooncake sync"]
     for r in rows:
         if r["method"].startswith("mooncake") and r["skipped"]:
-            assert "pip install 'fate-rdma[mooncake]'" in r["skipped"]
+            assert "pip install -e './lab[mooncake]'" in r["skipped"]
             continue
         assert r["median_s"] > 0 and r["verified"] and r["extra_rss_bytes"] is not None, r
         assert r["cpu_send_s"] >= 0 and r["cpu_recv_s"] >= 0 and r["link"] == "loopback", r
@@ -413,8 +413,8 @@ def test_eval_link_takes_tcp_cc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     """`eval link --tcp-cc` reaches the plan and the testbed run_eval builds (the host's default without it)."""
     import argparse
 
-    from fate_rdma import wan_eval
-    from fate_rdma.cli import eval as eval_cli
+    from fate_rdma_lab.eval import links as wan_eval
+    from fate_rdma_lab.cli import eval as eval_cli
 
     p = argparse.ArgumentParser()
     eval_cli.add_arguments(p)

@@ -10,7 +10,6 @@ this host: the reason is printed), 1 a test failed or none ran on rxe0, 125 the 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -54,7 +53,7 @@ def main(argv: list) -> int:
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (default: the pyverbs legs of FILES)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from fate_rdma import rdma_vm
+    from fate_rdma_lab import vm as rdma_vm
 
     problem = rdma_vm.host_problem()
     if problem:

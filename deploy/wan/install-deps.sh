@@ -9,6 +9,7 @@
 # (a `flush ruleset` of the host), so service starts are denied during the install. Without root or
 # apt it says what to run and exits 0: the testbed then refuses with that reason and the test skips.
 set -euo pipefail
+. "$(dirname "$0")/../apt-install.sh"
 
 need=()
 command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
@@ -19,20 +20,5 @@ if [ ${#need[@]} -eq 0 ]; then
   echo "wan install-deps: ip, tc, nft, cc and ping present"
   exit 0
 fi
-if ! command -v apt-get >/dev/null || [ "$(id -u)" != 0 ]; then
-  echo "wan install-deps: missing ${need[*]}; as root run: apt-get install ${need[*]}" >&2
-  echo "  (tests/test_wan.py skips without them)" >&2
-  exit 0
-fi
-echo "wan install-deps: installing ${need[*]} with apt-get (no service is started)"
-export DEBIAN_FRONTEND=noninteractive
-policy=/usr/sbin/policy-rc.d
-if [ ! -e "$policy" ]; then
-  trap 'rm -f "$policy"' EXIT
-  printf '#!/bin/sh\nexit 101\n' > "$policy"
-  chmod 755 "$policy"
-fi
-if ! { timeout 600 apt-get update -qq && timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; }; then
-  echo "wan install-deps: apt-get could not install ${need[*]}; tests/test_wan.py will skip and say why" >&2
-fi
+apt_install "wan install-deps" tests/test_wan.py "${need[@]}" || true
 exit 0

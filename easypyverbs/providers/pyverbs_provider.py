@@ -26,14 +26,15 @@ from typing import Any, Callable, List, Optional, Tuple
 from ..api import CQ, MR, PD, QP, SGE, Context
 from ..enums import MTU_BYTES, Access, QPState, WCOpcode, WCStatus
 from ..errors import EasyVerbsError, NoDeviceError, UsageError
+from ..types import WC, DeviceInfo, PortInfo, QPCap, QPInfo
+from . import pyverbs_windows as W
+from .pyverbs_call import call
 
 #: how logs, doctor and benchmark lines name Soft-RoCE (rxe): real kernel verbs over a software NIC
 SOFT_ROCE_TCG_VM = "Soft-RoCE (rxe) in a TCG VM: verbs semantics, not RDMA performance"
 SOFT_ROCE_KVM_VM = "Soft-RoCE (rxe) in a KVM VM: verbs semantics, not RDMA performance"
 SOFT_ROCE = "Soft-RoCE (rxe): kernel verbs over a software NIC, not RDMA hardware performance"
 _RXE_VENDOR_ID = 0xFFFFFF  # what rdma_rxe reports as ibv_device_attr.vendor_id
-from ..types import WC, DeviceInfo, PortInfo, QPCap, QPInfo
-from . import pyverbs_windows as W
 
 log = logging.getLogger("easypyverbs.pyverbs")
 
@@ -84,26 +85,6 @@ def version() -> str:
         return ""
 
 
-def _call(what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """Run pyverbs code; whatever it raises leaves as an easypyverbs error (errno kept).
-
-    PyverbsUserError (pyverbs refused the arguments before any verbs call) and the TypeError /
-    ValueError / OverflowError of its Cython argument conversion become UsageError; every other
-    PyverbsError (a failed verbs call) becomes EasyVerbsError with the call's errno.
-    """
-    from pyverbs.pyverbs_error import PyverbsError, PyverbsUserError
-
-    try:
-        return fn(*args, **kw)
-    except PyverbsUserError as exc:
-        raise UsageError(f"{what}: pyverbs refused it: {exc}") from exc
-    except PyverbsError as exc:
-        code = getattr(exc, "error_code", None)
-        raise EasyVerbsError(f"{what} failed: {exc}", abs(code) if isinstance(code, int) and code else None) from exc
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise UsageError(f"{what}: pyverbs rejected the arguments: {exc}") from exc
-
-
 def soft_roce_label() -> str:
     """The label of an rxe device here: in the project's qemu VM (frvm.accel= on the kernel
     command line, set by `fate-rdma vm run`) it names the accelerator."""
@@ -144,13 +125,13 @@ class PyverbsContext(Context):
         super().__init__(name)
         self.e = _enums()
         W.windows_setting()  # (a bad EASYPYVERBS_MEMORY_WINDOWS is refused before the device is opened)
-        self._ctx = _call(f"open device {name}", d.Context, name=name)
+        self._ctx = call(f"open device {name}", d.Context, name=name)
         self.port_num = port_num
-        self._port = _call("query_port", self._ctx.query_port, port_num)
+        self._port = call("query_port", self._ctx.query_port, port_num)
         self.is_roce = self._port.link_layer == self.e.IBV_LINK_LAYER_ETHERNET
         self.gid_index = self._pick_gid() if gid_index is None else gid_index
-        self.gid = str(_call("query_gid", self._ctx.query_gid, port_num, self.gid_index).gid)
-        self._attr = _call("query_device", self._ctx.query_device)
+        self.gid = str(call("query_gid", self._ctx.query_gid, port_num, self.gid_index).gid)
+        self._attr = call("query_device", self._ctx.query_device)
         self.soft_roce = self._attr.vendor_id == _RXE_VENDOR_ID or name.startswith("rxe")
         #: whether `reg_mr(..., revocable=True)` opens remote access through a type 1 memory window, so that
         #: `revoke_remote`/`rekey` take it back and give it again without registering anew (pyverbs_windows):
@@ -191,15 +172,15 @@ class PyverbsContext(Context):
         return PyverbsCQ(self, cqe)
 
     def _query(self) -> DeviceInfo:
-        attr = _call("query_device", self._ctx.query_device)
-        port = _call("query_port", self._ctx.query_port, self.port_num)
+        attr = call("query_device", self._ctx.query_device)
+        port = call("query_port", self._ctx.query_port, self.port_num)
         gids = tuple((i, str(self._ctx.query_gid(self.port_num, i).gid), _gid_type(self.name, self.port_num, i))
                      for i in range(min(port.gid_tbl_len, 8)))
         state = "ACTIVE" if port.state == self.e.IBV_PORT_ACTIVE else f"state {port.state}"
         p = PortInfo(self.port_num, state, MTU_BYTES.get(port.active_mtu, 0), port.max_msg_sz, port.lid,
                      "Ethernet (RoCE)" if self.is_roce else "InfiniBand", gids)
-        return DeviceInfo("pyverbs", self.name, False, attr.max_mr_size, attr.max_qp_wr, attr.max_sge, attr.max_cqe, (p,),
-                          notes=self.label if self.soft_roce else "", max_mw=int(attr.max_mw))
+        return DeviceInfo("pyverbs", self.name, False, attr.max_mr_size, attr.max_qp_wr, attr.max_sge, attr.max_cqe,
+                          (p,), notes=self.label if self.soft_roce else "", max_mw=int(attr.max_mw))
 
     @property
     def max_msg_bytes(self) -> int:
@@ -216,13 +197,15 @@ class PyverbsContext(Context):
 
 
 class PyverbsPD(PD):
+    ctx: PyverbsContext
+
     def __init__(self, ctx: PyverbsContext) -> None:
         from pyverbs.pd import PD as _PD
 
         super().__init__(ctx)
-        self._pd = _call("alloc_pd", _PD, ctx._ctx)
+        self._pd = call("alloc_pd", _PD, ctx._ctx)
         self._scratch: Any = None  # pyverbs MR (its own 64-byte buffer) for receives with no buffer
-        self._binder: Any = None  # pyverbs_windows.Binder, made at the first window bind
+        self._binder: Optional[W.Binder] = None  # made at the first window bind
         self._binder_lock = threading.Lock()
         self.closing = False  # (close_binder: set before any of the PD's objects is closed)
 
@@ -232,7 +215,7 @@ class PyverbsPD(PD):
         from pyverbs.wr import SGE as _SGE
 
         if self._scratch is None:
-            mr = _call("reg_mr (scratch)", _MR, self._pd, 64, int(Access.LOCAL_WRITE))
+            mr = call("reg_mr (scratch)", _MR, self._pd, 64, int(Access.LOCAL_WRITE))
             self._scratch = mr
         return _SGE(self._scratch.buf, 0, self._scratch.lkey)
 
@@ -245,10 +228,10 @@ class PyverbsPD(PD):
             raise UsageError("cannot register an empty buffer")
         if self.closing:
             raise UsageError("PyverbsPD is closing")
-        ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
+        ctx = self.ctx
         windowed = revocable and bool(W.remote_bits(int(access))) and ctx.memory_windows
         bits = W.registration_access(int(access), ctx.e) if windowed else int(access)
-        mr = _call("reg_mr", _MR, self._pd, view.nbytes, bits, address=address_of(view))
+        mr = call("reg_mr", _MR, self._pd, view.nbytes, bits, address=address_of(view))
         out = PyverbsMR(self, buffer, view, access, mr.lkey, mr.rkey)
         out._mr = mr
         if windowed:
@@ -272,9 +255,19 @@ class PyverbsPD(PD):
                 self._binder.close()
                 self._binder = None
             if self._binder is None:
-                self._binder = W.Binder(self)
+                self._binder = self._new_binder()
             binder = self._binder
         return binder.bind(self._pd, raw_mr, access)
+
+    def _new_binder(self) -> W.Binder:
+        """This PD's binder, with a CQ and an RC QP of its own (both closed again where it cannot be made)."""
+        cq = PyverbsCQ(self.ctx, 4)
+        try:
+            qp = PyverbsQP(self, cq, cq, QPCap(max_send_wr=2, max_recv_wr=1, max_send_sge=1, max_recv_sge=1))
+        except BaseException:
+            cq.close()
+            raise
+        return W.Binder(cq, qp)
 
     def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
         return PyverbsQP(self, send_cq, recv_cq, cap)
@@ -298,8 +291,58 @@ class PyverbsPD(PD):
         self._pd.close()
 
 
-class PyverbsMR(W.WindowedMR, MR):
-    _mr: Any = None
+class PyverbsMR(MR):
+    """Registered revocable with windows on (`windowed`), its remote access goes through a type 1 memory window
+    (pyverbs_windows): `revoke_remote` deallocates it, `rekey` binds a fresh one."""
+
+    pd: PyverbsPD
+    _windowed = False
+    _mw: Any = None  # the pyverbs MW while remote access is open
+    _mr: Any = None  # the pyverbs MR
+
+    @property
+    def windowed(self) -> bool:
+        return self._windowed
+
+    def revoke_remote(self) -> bool:
+        with self._close_lock:  # (a close waits for a revoke or rekey, and the reverse)
+            self._check_open()
+            if not self._windowed:
+                return False
+            self._drop_window()
+            return True
+
+    def rekey(self) -> int:
+        with self._close_lock:
+            self._check_open()
+            if not self._windowed:
+                return super().rekey()
+            if self._mw is not None:
+                raise UsageError(f"pyverbs MR rkey {self.rkey:#x}: rekey needs its remote access revoked first "
+                                 f"(revoke_remote)")
+            pd, ctx = self.pd, self.pd.ctx
+            if not ctx.memory_windows:  # (turned off since this MR was registered: register anew)
+                raise EasyVerbsError(f"pyverbs: {ctx.name}: memory windows are off")
+            try:
+                self._mw = pd.bind_window(self._mr, W.remote_bits(int(self.access)))
+            except EasyVerbsError as exc:
+                if pd.closed or pd.closing:  # (not the device's failure: no fallback, no warning)
+                    raise UsageError(f"pyverbs MR: no new key, its PD is closing ({exc})") from exc
+                # (pyverbs refusing the bind's arguments, a UsageError, is the device's or pyverbs' limit too:
+                # raised as a failed bind, which callers answer by registering anew)
+                ctx.memory_windows = False
+                log.warning("pyverbs: %s: a memory window could not be bound (%s): revocable MRs are registered "
+                            "anew at each grant from now on", ctx.name, exc)
+                raise EasyVerbsError(f"memory window not bound: {exc}") from exc
+            self.rkey = int(self._mw.rkey)
+            return self.rkey
+
+    def _drop_window(self) -> None:
+        """Deallocate the window: only once that succeeded is it forgotten (a window that stays bound keeps its
+        access, and the MR must not be deregistered under it)."""
+        if self._mw is not None:
+            call("dealloc_mw", self._mw.close)
+            self._mw = None
 
     def _close_impl(self) -> None:
         self._drop_window()  # (a device refuses to deregister an MR with a window bound)
@@ -313,7 +356,7 @@ class PyverbsCQ(CQ):
         from pyverbs.cq import CQ as _CQ
 
         super().__init__(ctx, cqe)
-        self._cq = _call("create_cq", _CQ, ctx._ctx, cqe, None, None, 0)
+        self._cq = call("create_cq", _CQ, ctx._ctx, cqe, None, None, 0)
         self._e = ctx.e
         # a close from another thread (an owner's cleanup, a test's leak check) must not free the CQ
         # under a poll in progress: with pyverbs that is a use-after-free in libibverbs (a segfault)
@@ -324,12 +367,13 @@ class PyverbsCQ(CQ):
         with self._poll_lock:
             if self._destroyed:
                 raise UsageError("PyverbsCQ is closed")
-            n, wcs = _call("poll_cq", self._cq.poll, max_entries)
+            n, wcs = call("poll_cq", self._cq.poll, max_entries)
         out = []
         for wc in wcs[:n]:
             imm = socket.ntohl(wc.imm_data) if wc.wc_flags & self._e.IBV_WC_WITH_IMM else None
             # the opcode of an error completion is undefined in libibverbs: WCOpcode maps strays to UNKNOWN
-            out.append(WC(wc.wr_id, WCStatus(wc.status), WCOpcode(wc.opcode), wc.byte_len, imm, wc.qp_num, wc.vendor_err))
+            out.append(WC(wc.wr_id, WCStatus(wc.status), WCOpcode(wc.opcode), wc.byte_len, imm, wc.qp_num,
+                          wc.vendor_err))
         return out
 
     def _close_impl(self) -> None:
@@ -339,6 +383,11 @@ class PyverbsCQ(CQ):
 
 
 class PyverbsQP(QP):
+    ctx: PyverbsContext
+    pd: PyverbsPD
+    send_cq: PyverbsCQ  # (CQs of this QP's context: PyverbsContext makes only those)
+    recv_cq: PyverbsCQ
+
     def __init__(self, pd: PyverbsPD, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> None:
         import random
 
@@ -347,16 +396,17 @@ class PyverbsQP(QP):
         from pyverbs.qp import QPInitAttr
 
         super().__init__(pd, send_cq, recv_cq, cap)
-        e = self.e = pd.ctx.e  # type: ignore[attr-defined]
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=send_cq._cq, rcq=recv_cq._cq,  # type: ignore[attr-defined]
-                          cap=_Cap(cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge, cap.max_recv_sge, cap.max_inline_data),
+        e = self.e = pd.ctx.e
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.send_cq._cq, rcq=self.recv_cq._cq,
+                          cap=_Cap(cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge, cap.max_recv_sge,
+                                   cap.max_inline_data),
                           sq_sig_all=0)
-        self._qp = _call("create_qp", _QP, pd._pd, init)
+        self._qp = call("create_qp", _QP, pd._pd, init)
         self.psn = random.randrange(1 << 24)
         self._in_error = False
 
     def _info(self) -> QPInfo:
-        ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
+        ctx = self.ctx
         return QPInfo("pyverbs", self._qp.qp_num, self.psn, ctx.gid, ctx._port.lid,
                       MTU_BYTES.get(ctx._port.active_mtu, 1024), ctx.max_msg_bytes)
 
@@ -365,7 +415,7 @@ class PyverbsQP(QP):
         # the kernel without telling pyverbs, so ask the device (ERR is sticky: remember it)
         if self._in_error:
             return QPState.ERR
-        attr, _ = _call("query_qp", self._qp.query, self.e.IBV_QP_STATE)
+        attr, _ = call("query_qp", self._qp.query, self.e.IBV_QP_STATE)
         state = QPState(attr.qp_state)
         self._in_error = state in (QPState.ERR, QPState.SQE)
         return state
@@ -374,8 +424,7 @@ class PyverbsQP(QP):
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
-        ctx: PyverbsContext = self.ctx  # type: ignore[assignment]
-        e = self.e
+        ctx = self.ctx
         mtu_enum = {v: k for k, v in MTU_BYTES.items()}[min(remote.mtu, MTU_BYTES.get(ctx._port.active_mtu, 1024))]
         attr = QPAttr(port_num=ctx.port_num)
         attr.qp_access_flags = int(Access.all_rdma())
@@ -390,9 +439,14 @@ class PyverbsQP(QP):
         attr.rnr_retry = 7  # infinite RNR retries, as perftest does
         gr = GlobalRoute(dgid=GID(remote.gid), sgid_index=ctx.gid_index)
         attr.ah_attr = AHAttr(port_num=ctx.port_num, is_global=1, gr=gr, dlid=remote.lid)
-        _call("modify QP to RTS", self._qp.to_rts, attr)
+        call("modify QP to RTS", self._qp.to_rts, attr)
 
-    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool) -> None:
+    def bind_mw(self, mw: Any, bind: Any) -> None:
+        """Post the bind of pyverbs MW `mw` (`ibv_bind_mw`, a pyverbs MWBind): pyverbs_windows.Binder's QP."""
+        self._qp.bind_mw(mw, bind)
+
+    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int,
+              signaled: bool) -> None:
         from pyverbs.wr import SGE as _SGE
         from pyverbs.wr import SendWR
 
@@ -403,9 +457,9 @@ class PyverbsQP(QP):
             ("read", False): e.IBV_WR_RDMA_READ,
         }[(op, imm is not None)]
 
-        pd: PyverbsPD = self.pd  # type: ignore[assignment]
+        pd = self.pd
 
-        def post() -> None:  # building the WR is inside _call too: pyverbs checks arguments there
+        def post() -> None:  # building the WR is inside call too: pyverbs checks arguments there
             # pyverbs 44 refuses num_sge=0 (a zero-byte SEND or WRITE_WITH_IMM): one zero-length SGE instead
             sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges] or [pd.scratch_sge()]
             wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=len(sg), sg=sg,
@@ -420,7 +474,7 @@ class PyverbsQP(QP):
         from pyverbs.wr import SGE as _SGE
         from pyverbs.wr import RecvWR
 
-        pd: PyverbsPD = self.pd  # type: ignore[assignment]
+        pd = self.pd
 
         def post() -> None:
             sg = [_SGE(s.mr.addr + s.offset, s.length, s.mr.lkey) for s in sges] or [pd.scratch_sge()]
@@ -430,7 +484,7 @@ class PyverbsQP(QP):
 
     def _posted(self, what: str, post: Callable[[], None], full: str) -> None:
         try:
-            _call(what, post)
+            call(what, post)
         except EasyVerbsError as exc:
             if exc.errno == errno.ENOMEM:  # what ibv_post_send/recv return for a full queue
                 raise EasyVerbsError(f"{what}: {full}", errno.ENOMEM) from exc

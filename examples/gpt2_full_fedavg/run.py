@@ -5,9 +5,9 @@ Without fate-rdma (FATE's own federation):
 With fate-rdma (same job, one switch):
     fate-rdma launch --conf examples/gpt2_full_fedavg/fate_rdma.yaml examples/gpt2_full_fedavg/run.py \
         --parties guest:9999 host:10000 arbiter:10000 --log_level WARNING
-Options (see `fate_rdma/llm/gpt2_fedavg.py`): --model gpt2|tiny --rounds N --steps_per_round N --out DIR
+Options (see `fate_rdma_lab/llm/gpt2_fedavg.py`): --model gpt2|tiny --rounds N --steps_per_round N --out DIR
 """
-from fate_rdma.llm.gpt2_fedavg import main
+from fate_rdma_lab.llm.gpt2_fedavg import main
 
 if __name__ == "__main__":
     main()

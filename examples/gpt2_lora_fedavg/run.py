@@ -7,7 +7,7 @@ Drop `fate-rdma launch --conf ...` to run the same job over FATE's own federatio
 """
 import sys
 
-from fate_rdma.llm.gpt2_fedavg import main
+from fate_rdma_lab.llm.gpt2_fedavg import main
 
 if __name__ == "__main__":
     if not any(a.startswith("--lora_rank") for a in sys.argv[1:]):

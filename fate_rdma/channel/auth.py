@@ -17,9 +17,16 @@ Session key: both sides derive
                                   || dialer nonce || acceptor nonce)        (each part length-prefixed)
 
 so it is fresh per connection (both nonces), bound to both proved names, and known only to holders of
-the secret. It stays in this process (Identity never prints it; nothing logs it). `mac_keys` splits
-it into one key per direction for the BLAKE2b MAC of transfers (checksum: blake2b), so a transfer
-reflected back to its sender does not verify.
+the secret. It stays in this process (Identity never prints it; nothing logs it). Under TLS without a
+secret, the same exchange runs inside the TLS connection (auth "none"), so its nonces are known to the
+two ends only, and the session key is derived from them alike (label "fate-rdma tls session v1").
+
+`direction_keys` splits the session key into one key per direction and purpose, so a message reflected
+back to its sender, or moved from one use to another, does not verify:
+
+    "mac"   the payload MAC of transfers (checksum: blake3 or blake2b; `mac_keys`)
+    "boot"  every bootstrap message after the proof (easypyverbs' BootstrapConn.seal)
+    "ctrl"  every control frame (protocol/frames.py)
 
 With auth "none" (loopback endpoints only) step 1 is still exchanged, so a mismatch between the
 two sides' settings is a clear error rather than a hang.
@@ -43,7 +50,8 @@ log = logging.getLogger("fate_rdma.channel")
 
 LABEL = b"fate-rdma auth v1"
 SESSION_LABEL = b"fate-rdma session v1"
-MAC_LABELS = (b"fate-rdma mac v1 dialer->acceptor", b"fate-rdma mac v1 acceptor->dialer")
+TLS_SESSION_LABEL = b"fate-rdma tls session v1"
+PURPOSES = ("mac", "boot", "ctrl")
 NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
 MAX_NAME = 256
@@ -102,10 +110,26 @@ def session_key(secret: bytes, dialer: str, acceptor: str, dialer_nonce: bytes, 
                     hashlib.sha256).digest()
 
 
-def mac_keys(session: bytes, dialer: bool) -> Tuple[bytes, bytes]:
-    """(key of what this side sends, key of what it receives): one key per direction from the session key."""
-    d2a, a2d = (hmac.new(session, label, hashlib.sha256).digest() for label in MAC_LABELS)
+def direction_keys(session: bytes, dialer: bool, purpose: str) -> Tuple[bytes, bytes]:
+    """(key of what this side sends, key of what it receives) for `purpose` (one of PURPOSES), from the
+    session key."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"no session keys for {purpose!r}")
+    d2a, a2d = (hmac.new(session, f"fate-rdma {purpose} v1 {way}".encode(), hashlib.sha256).digest()
+                for way in ("dialer->acceptor", "acceptor->dialer"))
     return (d2a, a2d) if dialer else (a2d, d2a)
+
+
+def mac_keys(session: bytes, dialer: bool) -> Tuple[bytes, bytes]:
+    """The payload MAC's keys (direction_keys, "mac")."""
+    return direction_keys(session, dialer, "mac")
+
+
+def seal(boot: ev.BootstrapConn, who: Identity, dialer: bool) -> None:
+    """From now on every message on `boot` carries a MAC and its number (BootstrapConn.seal), where the
+    connection has a session key; without one (auth none on loopback) it stays as it is."""
+    if who.session_key:
+        boot.seal(*direction_keys(who.session_key, dialer, "boot"))
 
 
 def _first(obj: Any, where: str) -> Mapping[str, Any]:
@@ -119,6 +143,10 @@ def _first(obj: Any, where: str) -> Mapping[str, Any]:
     name = obj.get("name")
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
         raise RemoteProtocolError(f"auth message from {where}: field 'name' must be a string of 1-{MAX_NAME} characters")
+    try:
+        name.encode()  # (JSON may carry a lone surrogate, which has no UTF-8 form for the transcript)
+    except UnicodeEncodeError as exc:
+        raise RemoteProtocolError(f"auth message from {where}: field 'name' is not valid Unicode: {exc}") from exc
     nonce = obj.get("nonce")
     try:
         ok = isinstance(nonce, str) and len(bytes.fromhex(nonce)) == NONCE_BYTES
@@ -130,9 +158,11 @@ def _first(obj: Any, where: str) -> Mapping[str, Any]:
 
 
 def authenticate(boot: ev.BootstrapConn, me: str, secret: Optional[bytes], dialer: bool, timeout_s: float,
-                 accept: Optional[Callable[[str], bool]] = None) -> Identity:
+                 accept: Optional[Callable[[str], bool]] = None, tls: bool = False) -> Identity:
     """Run the exchange on `boot`; the peer's Identity, or AuthenticationError / RemoteProtocolError.
-    `accept` (acceptor side): whether a peer that proved the secret may connect under its name."""
+    `accept` (acceptor side): whether a peer that proved the secret may connect under its name. `tls`:
+    `boot` runs inside TLS, so a session key comes from the nonces even without a secret (the peer's
+    name is proven by its certificate: tls.bind)."""
     where = f"{boot.peer[0]}:{boot.peer[1]}"
     my_nonce = secrets.token_bytes(NONCE_BYTES)
     mine = {"auth": "hmac-sha256" if secret else "none", "v": 1, "name": me, "nonce": my_nonce.hex()}
@@ -144,14 +174,19 @@ def authenticate(boot: ev.BootstrapConn, me: str, secret: Optional[bytes], diale
             f"this side {'requires it (secret_file set)' if secret else 'has auth: none'}: give both sides the "
             f"federation's secret_file")
     if secret is None:
-        return Identity(peer, False)
+        if not tls:
+            return Identity(peer, False)
+        ends = (me, peer, my_nonce, peer_nonce) if dialer else (peer, me, peer_nonce, my_nonce)
+        return Identity(peer, False, session_key(TLS_SESSION_LABEL, *ends))
     role, peer_role = ("dialer", "acceptor") if dialer else ("acceptor", "dialer")
     proof = hmac.new(secret, _transcript(role, me, peer, my_nonce, peer_nonce), hashlib.sha256).hexdigest()
     expect = hmac.new(secret, _transcript(peer_role, peer, me, peer_nonce, my_nonce), hashlib.sha256).hexdigest()
 
     def check(got: Any) -> None:
         theirs_proof = got.get("proof") if isinstance(got, dict) else None
-        if not isinstance(theirs_proof, str) or not hmac.compare_digest(theirs_proof, expect):
+        # compare_digest takes ASCII strings only (TypeError on any other): a non-ASCII proof is simply wrong
+        if not isinstance(theirs_proof, str) or not theirs_proof.isascii() \
+                or not hmac.compare_digest(theirs_proof, expect):
             raise AuthenticationError(f"peer at {where} claiming to be {peer!r} failed to prove the federation's secret")
 
     # the dialer proves first; the acceptor, which faces whoever connects, answers only a valid proof

@@ -5,17 +5,20 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, List
+from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
+from numpy.typing import NDArray
 
 from easypyverbs import buffers as ev_buffers
+
+from .. import metrics
 
 log = logging.getLogger("fate_rdma.channel")
 _shared_failed: List[BaseException] = []  # the first failure to allocate shared memory (warned once)
 
 
-def _unreferenced(buf: np.ndarray, extra: int = 0) -> bool:
+def _unreferenced(buf: NDArray[Any], extra: int = 0) -> bool:
     """True if nothing but the cache's list refers to `buf` (plus `extra` local names of the caller).
 
     Every view handed out of a cached buffer (a numpy slice, a memoryview of it, an array built on
@@ -27,7 +30,7 @@ def _unreferenced(buf: np.ndarray, extra: int = 0) -> bool:
     return sys.getrefcount(buf) == 3 + extra
 
 
-def fresh(n: int, shared: bool = False) -> np.ndarray:
+def fresh(n: int, shared: bool = False) -> NDArray[Any]:
     """n bytes of new memory, not yet faulted in; `shared`: in a memfd (easypyverbs.buffers.shared_array),
     which a peer's soft NIC on this host reads through a mapping, at memcpy's speed (a send source).
 
@@ -77,22 +80,20 @@ def clear(buf: Any) -> None:
 #: pieces smaller than this are copied holding the GIL; larger ones without it. numpy lets go of the GIL for
 #: every copy above a few hundred bytes, and where another thread of the process wants the GIL (a connection
 #: thread handling completions and credits) each piece then waits to take it back: a put of LoRA adapters is
-#: tens of pieces of 24-576 KiB (float64, ranks 4-32), and the arbiter's copy of a rank-4 average (1.1 MiB,
-#: 24 tensors) took 0.9-1.4 ms inside a `bench fate` round against 0.1 ms alone. Held, a piece this size
-#: blocks the other threads for at most ~0.1 ms (a memcpy at ~10 GB/s), far below the 5 ms switch interval.
-#: Measured (docs/FIGURES.md, "Small copies hold the GIL"): in 18 alternated `bench fate` runs the median round went
-#: from 15.3 to 13.3 ms at LoRA rank 4, 18.5 to 17.7 at rank 8, 25.8 to 23.3 at rank 16 (shorter in 13 pairs).
+#: tens of pieces of 24-576 KiB (float64, ranks 4-32), and such a copy took about ten times as long inside a
+#: `bench fate` round as alone. Held, a piece this size blocks the other threads for at most ~0.1 ms (a
+#: memcpy at ~10 GB/s), far below the 5 ms switch interval; LoRA rounds got shorter (docs/benchmarks.md).
 GIL_COPY_BYTES = 1 << 20
 
 
-def copy_into(dest: np.ndarray, offset: int, src: memoryview) -> None:
+def copy_into(dest: NDArray[Any], offset: int, src: memoryview) -> None:
     """dest[offset:offset+len(src)] = src (`dest` uint8, `src` any C-contiguous buffer). A piece of
     GIL_COPY_BYTES or more is copied without holding the GIL (numpy releases it for the copy, and for the
     page faults the copy takes on fresh memory); a smaller one holding it (GIL_COPY_BYTES)."""
     n = src.nbytes
     if n < GIL_COPY_BYTES:
         flat = src if src.format == "B" and src.ndim == 1 else src.cast("B")
-        memoryview(dest)[offset:offset + n] = flat
+        dest.data[offset:offset + n] = flat
         return
     np.copyto(dest[offset:offset + n], np.frombuffer(src, dtype=np.uint8, count=n))
 
@@ -110,7 +111,7 @@ class RecvBuffers:
 
     def __init__(self, max_bytes: int, shared: bool = False) -> None:
         self.max_bytes, self.shared = max_bytes, shared
-        self._bufs: List[np.ndarray] = []
+        self._bufs: List[NDArray[Any]] = []
         self._used_at: List[float] = []  # when each of `_bufs` was last handed out (time.monotonic)
         self._lock = threading.Lock()
         self._trimmed_at = time.monotonic()
@@ -127,7 +128,7 @@ class RecvBuffers:
         with self._lock:
             return sum(b.nbytes for b in self._bufs)
 
-    def get(self, n: int) -> np.ndarray:
+    def get(self, n: int) -> NDArray[Any]:
         with self._lock:
             for i in range(len(self._bufs)):
                 b = self._bufs[i]
@@ -174,20 +175,96 @@ class RecvBuffers:
 
 class Budget:
     """The endpoint's receive-memory budget: pools, staging areas and reassembly buffers in flight
-    reserve from it before they are allocated, and give back when freed."""
+    reserve from it before they are allocated, and give back when freed. Each peer may hold at most
+    `peer_limit_bytes` of it (ChannelConfig.peer_budget_fraction), on all of its connections together (a
+    peer that dials while being dialed has two): one peer cannot take what the others need."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, peer_limit_bytes: Optional[int] = None) -> None:
         self.limit_bytes = limit_bytes
+        self.peer_limit_bytes = limit_bytes if peer_limit_bytes is None else min(peer_limit_bytes, limit_bytes)
         self.held_bytes = 0
+        self._metered = 0  # of held_bytes, what the registered_bytes gauge counts (metrics.memory)
+        self._by_peer: Dict[str, int] = {}
+        self._told: Set[str] = set()  # peers whose refusal this endpoint's log has explained
         self._lock = threading.Lock()
+
+    def held_by(self, peer: str) -> int:
+        with self._lock:
+            return self._by_peer.get(peer, 0)
+
+    def free_for(self, peer: str) -> int:
+        """What `peer` could still reserve: the least of what is left of its part and of the budget."""
+        with self._lock:
+            return max(0, min(self.peer_limit_bytes - self._by_peer.get(peer, 0), self.limit_bytes - self.held_bytes))
+
+    def reserve(self, nbytes: int, peer: str) -> bool:
+        with self._lock:
+            mine = self._by_peer.get(peer, 0)
+            if nbytes < 0 or self.held_bytes + nbytes > self.limit_bytes or mine + nbytes > self.peer_limit_bytes:
+                refused = True
+            else:
+                refused = False
+                self.held_bytes += nbytes
+                self._by_peer[peer] = mine + nbytes
+                if metrics.memory(nbytes):
+                    self._metered += nbytes
+            first = refused and peer not in self._told
+            if first:
+                self._told.add(peer)
+            held = self.held_bytes
+        if first:  # the detail stays here: what the peer is told names neither the budget nor what is left
+            log.warning("fate-rdma: refused %d bytes of receive memory to %s: it holds %d of the %d bytes one peer "
+                        "may hold (peer_budget_fraction), and all peers %d of %d (memory_budget_bytes); further "
+                        "refusals of this peer are logged at debug level", nbytes, peer, mine, self.peer_limit_bytes,
+                        held, self.limit_bytes)
+        elif refused:
+            log.debug("fate-rdma: refused %d bytes of receive memory to %s (it holds %d, all peers %d)", nbytes, peer,
+                      mine, held)
+        return not refused
+
+    def release(self, nbytes: int, peer: str) -> None:
+        with self._lock:
+            counted = min(nbytes, self._metered)
+            if counted:
+                metrics.memory(-counted)
+                self._metered -= counted
+            self.held_bytes = max(0, self.held_bytes - nbytes)
+            left = self._by_peer.get(peer, 0) - nbytes
+            if left > 0:
+                self._by_peer[peer] = left
+            else:
+                self._by_peer.pop(peer, None)
+
+
+class Share:
+    """One connection's part of the endpoint's Budget, reserved under its peer's name (so within what that
+    peer may hold): its receive memory (staging buffers, FedRDMA-E slots as they grow and shrink, FedRDMA
+    reassembly buffers in flight), reserved and released through here, and all of it given back at once when
+    the connection ends."""
+
+    def __init__(self, budget: Budget, peer: str) -> None:
+        self.budget, self.peer = budget, peer
+        self.held_bytes = 0
+        self._lock = threading.Lock()  # (the engine thread grows slots while a user thread may lend one)
+
+    @property
+    def free_bytes(self) -> int:
+        """What this connection could still reserve (Budget.free_for its peer)."""
+        return self.budget.free_for(self.peer)
 
     def reserve(self, nbytes: int) -> bool:
         with self._lock:
-            if nbytes < 0 or self.held_bytes + nbytes > self.limit_bytes:
+            if not self.budget.reserve(nbytes, self.peer):
                 return False
             self.held_bytes += nbytes
             return True
 
     def release(self, nbytes: int) -> None:
         with self._lock:
-            self.held_bytes = max(0, self.held_bytes - nbytes)
+            self.budget.release(nbytes, self.peer)
+            self.held_bytes -= nbytes
+
+    def release_all(self) -> None:
+        with self._lock:
+            self.budget.release(self.held_bytes, self.peer)
+            self.held_bytes = 0

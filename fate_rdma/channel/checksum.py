@@ -2,8 +2,8 @@
 the GIL).
 
 crc32c: a transfer's checksum is crc32c over the big-endian crc32c of each 4 MiB block of the
-payload. blake2b: the payload's part of the tag is the list of keyed BLAKE2b leaf digests of the
-same blocks (protocol/integrity.py; the tag over the header, metadata and leaves is cheap). Either
+payload. xxh3, blake3 and blake2b: the payload's part of the tag is the list of (for the last two
+keyed) leaf digests of the same blocks (protocol/integrity.py; the tag over the header, metadata and leaves is cheap). Either
 way both sides split the work across cores and the sender computes it while chunks are already on
 the wire (the header, which carries it, is posted last).
 """
@@ -18,14 +18,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import crc32c
 
 from ..errors import ConfigError
-from ..protocol.integrity import BLOCK_BYTES, BLOCKWISE, Digest, Integrity, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves
+from ..protocol.integrity import (BLOCK_BYTES, BLOCKWISE, KEYED, UNKEYED_BLOCKWISE, Digest, Integrity, b3_hasher, b3_leaf,
+                                  b3_leaves, blocks as _blocks, leaves, xxh_hasher, xxh_leaf, xxh_leaves)
 from .auth import Identity, mac_keys
 
 _POOLS: Dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
+def digest_pool(kind: str) -> concurrent.futures.ThreadPoolExecutor:
     """Two pools, so that no task ever waits on its own pool: "payload" runs whole-payload checksums
     (which wait for their blocks), "block" runs block checksums (which wait for nothing). One shared
     pool deadlocked as soon as every worker held a payload task waiting for blocks queued behind it."""
@@ -49,7 +50,7 @@ def map_blocks(fn: Callable[[Any], Any], items: Iterable[Any]) -> List[Any]:
     items = list(items)
     if len(items) <= 1:
         return [fn(x) for x in items]
-    return list(_pool("block").map(fn, items))
+    return list(digest_pool("block").map(fn, items))
 
 
 def _crc_pieces(pieces: List[memoryview]) -> int:
@@ -69,30 +70,33 @@ def _combine(crcs: List[int]) -> int:
     return crc32c.crc32c(struct.pack(f"!{len(crcs)}I", *crcs))
 
 
-def _block_digest_fn(kind: str) -> Callable[[int, List[memoryview]], Any]:
+def block_digest_fn(integrity: Integrity) -> Callable[[int, List[memoryview]], Any]:
     """(block index, the block's pieces) -> that block's digest, for a BLOCKWISE checksum."""
-    if kind == "crc32c":
+    if integrity.kind == "crc32c":
         return lambda _i, pieces: _crc_pieces(pieces)
-    if kind == "xxh3":
+    if integrity.kind == "xxh3":
         return xxh_leaf
-    raise ValueError(f"checksum {kind!r} has no block-wise digests (only {', '.join(BLOCKWISE)})")
+    if integrity.kind == "blake3":
+        key = integrity.key
+        return lambda i, pieces: b3_leaf(key, i, pieces)
+    raise ValueError(f"checksum {integrity.kind!r} has no block-wise digests (only {', '.join(BLOCKWISE)})")
 
 
 def block_checksums_async(payload: memoryview, first: int, known: Dict[int, Any], landed: Optional[Any],
-                          kind: str, upto: Optional[int] = None) -> None:
-    """Start the digest (crc32c or xxh3, `kind`) of every block of `payload` (one buffer) from block `first`
+                          integrity: Integrity, upto: Optional[int] = None) -> None:
+    """Start the digest (a BLOCKWISE `integrity`'s) of every block of `payload` (one buffer) from block `first`
     up to block `upto` (exclusive; None: the last) that `known` (block index -> future) lacks and `landed`
     (digests taken where the blocks landed, payload_digest_with) has none for, on the block pool: the
     receiver's share of payload_digest for bytes a PLACED note says are placed, computed while the rest
     arrives. Only the blocks asked for are looked at (a transfer's notes each name the blocks placed since
     the one before)."""
-    fn = _block_digest_fn(kind)
+    fn = block_digest_fn(integrity)
     n = payload.nbytes
     last = -(-n // BLOCK_BYTES) if upto is None else min(upto, -(-n // BLOCK_BYTES))
     for b in range(first, last):
         lo, hi = b * BLOCK_BYTES, min((b + 1) * BLOCK_BYTES, n)
         if b not in known and (landed is None or landed.take(b, hi - lo) is None):
-            known[b] = _pool("block").submit(fn, b, [payload[lo:hi]])
+            known[b] = digest_pool("block").submit(fn, b, [payload[lo:hi]])
 
 
 class _Crc:
@@ -113,12 +117,15 @@ class _Crc:
 def block_hasher(integrity: Integrity) -> Optional[Callable[[int], Any]]:
     """`start(block)`: a hasher (`update`, `digest`) whose digest is block `block`'s share of the payload
     digest, for a check whose blocks are digested on their own (crc32c, xxh3: the receive slots digest
-    each block where it lands, easypyverbs MR.track_writes); None for blake2b (its last leaf is marked) and
-    none."""
+    each block where it lands, easypyverbs MR.track_writes; blake3 keyed); None for blake2b (its last leaf is
+    marked) and none."""
     if integrity.kind == "crc32c":
         return lambda _block: _Crc()
     if integrity.kind == "xxh3":
         return xxh_hasher
+    if integrity.kind == "blake3":
+        key = integrity.key
+        return lambda block: b3_hasher(key, block)
     return None
 
 
@@ -136,9 +143,9 @@ def payload_digest_with(integrity: Integrity, payload: memoryview, known: Dict[i
         elif i in known:
             got[i] = known[i].result()
     todo = [i for i in range(len(blocks)) if i not in got]
-    fn = _block_digest_fn(integrity.kind)
+    fn = block_digest_fn(integrity)
     got.update(zip(todo, map_blocks(lambda i: fn(i, blocks[i]), todo)))
-    return _from_blocks(integrity.kind, got)
+    return from_blocks(integrity.kind, got)
 
 
 def payload_leaves(views: Sequence[memoryview], key: bytes) -> bytes:
@@ -152,20 +159,22 @@ def payload_digest(integrity: Integrity, views: Sequence[memoryview]) -> Digest:
         return payload_checksum(views)
     if integrity.kind == "xxh3":
         return xxh_leaves(views, map_blocks)
+    if integrity.kind == "blake3":
+        return b3_leaves(integrity.key, views, map_blocks)
     return payload_leaves(views, integrity.key) if integrity.kind == "blake2b" else None
 
 
 def block_digest(kind: str) -> Optional[Tuple[str, Callable[[int, memoryview], Any]]]:
     """(kind, the digest of block i of a payload) for a checksum whose blocks one copy can serve to every
-    peer (crc32c, xxh3: unkeyed), else None (blake2b is keyed per connection; none has no blocks)."""
-    if kind not in BLOCKWISE:
+    peer (crc32c, xxh3: unkeyed), else None (blake2b and blake3 are keyed per connection; none has no blocks)."""
+    if kind not in UNKEYED_BLOCKWISE:
         return None
-    fn = _block_digest_fn(kind)
+    fn = block_digest_fn(Integrity(kind))
     return kind, lambda i, block: fn(i, [block])
 
 
-def _from_blocks(kind: str, digests: Dict[int, Any]) -> Digest:
-    """A payload's digest from all of its blocks' digests (block_digest, _block_digest_fn), in order."""
+def from_blocks(kind: str, digests: Dict[int, Any]) -> Digest:
+    """A payload's digest from all of its blocks' digests (block_digest, block_digest_fn), in order."""
     ordered = [digests[i] for i in range(len(digests))]
     return _combine(ordered) if kind == "crc32c" else b"".join(ordered)
 
@@ -185,14 +194,14 @@ def payload_checksum_async(views: Sequence[memoryview], integrity: Integrity,
             done.set_exception(exc)
         return done
     if fill is None:
-        return _pool("payload").submit(payload_digest, integrity, list(views))
+        return digest_pool("payload").submit(payload_digest, integrity, list(views))
     out: "concurrent.futures.Future[Digest]" = concurrent.futures.Future()
 
     def start() -> None:
         if fill.error is not None:
             return
         if fill.digest is not None and fill.digest[0] == integrity.kind and not integrity.key:
-            out.set_result(_from_blocks(integrity.kind, fill.digests))
+            out.set_result(from_blocks(integrity.kind, fill.digests))
             return
         concurrent.futures.Future.add_done_callback(payload_checksum_async(views, integrity),
                                                     lambda f: _settle(out, f))
@@ -206,12 +215,12 @@ def _settle(out: "concurrent.futures.Future[Any]", f: "concurrent.futures.Future
 
 
 def integrities(kind: str, identity: Identity, dialer: bool) -> Tuple[Integrity, Integrity]:
-    """(what this side's transfers carry, what it requires of the peer's) on a connection: for blake2b
+    """(what this side's transfers carry, what it requires of the peer's) on a connection: for a MAC (blake3, blake2b)
     each direction's MAC key, from the session key the authentication derived."""
-    if kind != "blake2b":
+    if kind not in KEYED:
         return Integrity(kind), Integrity(kind)
     if not identity.session_key:
-        raise ConfigError(f"fate-rdma: checksum blake2b needs an authenticated connection (secret_file), and the "
-                          f"one with {identity.name} is not")
+        raise ConfigError(f"fate-rdma: checksum {kind} needs an authenticated connection (secret_file or tls), "
+                          f"and the one with {identity.name} is not")
     send_key, recv_key = mac_keys(identity.session_key, dialer)
     return Integrity(kind, send_key), Integrity(kind, recv_key)

@@ -1,22 +1,17 @@
-"""Control frames of a connection (SENDs on QP 0): sending them, dispatching the peer's, and the RTT
-probe that sizes the auto window."""
+"""Control frames of a connection (SENDs on QP 0): sending them, and the RTT probe that sizes the auto window.
+The engine dispatches the peer's frames (engine.py); what the peer's ERROR means is the protocol's
+(protocol/refusal.py)."""
 from __future__ import annotations
 
 import collections
 import contextlib
-import logging
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
+from typing import Callable, Deque, Dict, Iterator, List, Optional
 
 import easypyverbs as ev
-from easypyverbs.stalls import clock
 
 from .. import protocol as P
-from ..errors import (IntegrityError, PayloadTooLarge, RemoteProtocolError, TransferCancelled, TransferError,
-                      TransferTimeout)
-from ..protocol.frames import CtrlKind, ErrorCode
+from ..protocol.frames import CtrlKind
 from .layout import LocalMemory
-
-log = logging.getLogger("fate_rdma.channel")
 
 
 class ControlSender:
@@ -27,20 +22,25 @@ class ControlSender:
     completion on the QP means every earlier SEND on it completed too, so it frees the buffers of all
     frames posted before it, and the others cost the engine no completion to handle. Inside `held()`
     (an engine's turn) frames wait until `flush()` posts them in the turn's batch of WRITEs, or until
-    the turn ends: a slot's CREDIT leaves with the next message's chunks in one write."""
+    the turn ends: a slot's CREDIT leaves with the next message's chunks in one write.
+
+    With `key` (the connection's control key of this direction) every frame is sealed with its number
+    (frames.encode_ctrl): frames are numbered as sent here and posted in that order."""
 
     #: at most this many SENDs in a row without a completion (fewer than the buffers: one always comes)
     SIGNAL_EVERY = 16
 
-    def __init__(self, mem: LocalMemory, qp: Callable[[], ev.QP], wr_id: Callable[[int], int]) -> None:
-        self.mem, self._qp, self._wr_id = mem, qp, wr_id
+    def __init__(self, mem: LocalMemory, qp: Callable[[], ev.QP], wr_id: Callable[[int], int], key: bytes = b"") -> None:
+        self.mem, self._qp, self._wr_id, self._key = mem, qp, wr_id, key
+        self._number = 0
         self._backlog: Deque[bytes] = collections.deque()
         self._posted: Deque[int] = collections.deque()  # buffers in flight, in posting order
         self._unsignaled = 0
         self._held: Optional[List[bytes]] = None
 
     def send(self, c: P.Ctrl) -> None:
-        raw = P.encode_ctrl(c)
+        raw = P.encode_ctrl(c, self._key, self._number)
+        self._number += 1
         if self._held is not None:
             self._held.append(raw)
         else:
@@ -121,58 +121,3 @@ class RttProbe:
     def overdue(self, now: float, timeout_s: float) -> bool:
         """A probe has gone unanswered for `timeout_s`."""
         return self.rtt_s is None and bool(self._sent) and now - min(self._sent.values()) > timeout_s
-
-
-#: what the peer's ERROR code means here
-_ERR = {ErrorCode.INTEGRITY: IntegrityError, ErrorCode.TOO_LARGE: PayloadTooLarge, ErrorCode.PROTOCOL: RemoteProtocolError,
-        ErrorCode.TIMEOUT: TransferTimeout}
-
-
-def dispatch(conn: Any, c: P.Ctrl, a: Any) -> None:
-    """A control frame from the peer, to the part of `conn` it concerns (`a`: the active outgoing transfer)."""
-    if c.kind is CtrlKind.ACK:
-        if conn.staged_sender is None:
-            raise RemoteProtocolError(f"{conn.peer} sent an ACK; this side never wrote to its staging buffers")
-        conn.staged_sender.on_ack(c, a)
-    elif c.kind in (CtrlKind.CREDIT, CtrlKind.RECLAIM):
-        if conn.slot_sender is None:
-            raise RemoteProtocolError(f"{conn.peer} sent a {c.kind.name}; it offered no receive pool")
-        if c.kind is CtrlKind.CREDIT:
-            conn.slot_sender.on_credit(c, a)
-        else:
-            conn.slot_sender.on_reclaim(c)
-    elif c.kind in (CtrlKind.GROW, CtrlKind.RETURN, CtrlKind.PLACED):
-        if conn.slot_receiver is None:
-            raise RemoteProtocolError(f"{conn.peer} sent a {c.kind.name}; this side offered no receive pool")
-        if c.kind is CtrlKind.GROW:
-            conn.slot_receiver.on_grow(c)
-        elif c.kind is CtrlKind.RETURN:
-            conn.slot_receiver.on_return(c)
-        else:
-            conn.slot_receiver.on_placed(c)
-    elif c.kind is CtrlKind.CANCEL:
-        if a is not None and a.fut.transfer_id == c.transfer_id:
-            conn.fail_out(a, TransferCancelled(f"transfer {c.transfer_id} cancelled by {conn.peer}: {c.reason}",
-                                               c.transfer_id), tell_peer=False)
-        elif conn.staged_receiver is not None and conn.staged_receiver.on_cancel(c.transfer_id):
-            log.info("transfer %d from %s cancelled by the sender", c.transfer_id, conn.peer)
-    elif c.kind is CtrlKind.DONE:
-        if conn.slot_sender is not None:
-            conn.slot_sender.on_done(c.transfer_id, a)
-    elif c.kind is CtrlKind.ERROR:
-        if conn.slot_sender is not None:
-            conn.slot_sender.on_refused(c.transfer_id)  # a refused GROW: the slot's old grant stands
-        target = conn.slot_sender.placed.get(c.transfer_id) if conn.slot_sender is not None else None
-        target = target or (a if a is not None and a.fut.transfer_id == c.transfer_id else None)
-        if target is not None:
-            cls = _ERR.get(ErrorCode(c.value), TransferError) if c.value in ErrorCode.__members__.values() else TransferError
-            why = f"transfer {c.transfer_id} refused by {conn.peer}: {c.reason}"
-            exc = cls(why, c.transfer_id) if issubclass(cls, TransferError) else cls(why)
-            conn.fail_out(target, exc, tell_peer=False)
-    elif c.kind is CtrlKind.PROBE:
-        conn.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
-    elif c.kind is CtrlKind.PROBE_REPLY:
-        if conn.probe.on_reply(int(c.value), clock()):
-            log.info("connection to %s: RTT %.3f ms, window %d of %d-byte chunks, %s, data path %s", conn.peer,
-                     conn.probe.rtt_s * 1e3, *conn.window(conn.cfg.mode == "fedrdma-e"),  # type: ignore[operator]
-                     conn.label, conn.where["path"])

@@ -11,15 +11,19 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 import easypyverbs as ev
 from easypyverbs import stalls
+from easypyverbs.admission import Admission, HostSet
+from easypyverbs.retry import Retry
 
-from .. import trace
-from ..config import ChannelConfig, is_loopback_host as _loopback
-from ..errors import AuthenticationError, ConfigError, PeerUnreachable, TransferTimeout
-from .auth import authenticate, load_secret
+from .. import metrics, trace
+from ..config import ChannelConfig, is_loopback_host as _loopback, port_range
+from ..errors import AuthenticationError, ConfigError, FateRdmaError, PeerUnreachable, TransferTimeout
+from .auth import authenticate, load_secret, seal
 from .buffers import Budget, RecvBuffers
 from .connection import Connection
 from .layout import same_host_capable
 from .posting import send_sge_limit
+from .posture import posture
+from ..protocol.integrity import KEYED
 from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
 
@@ -31,7 +35,7 @@ def _hold_reporter(ref: "weakref.ReferenceType[Endpoint]") -> Callable[[float, f
     transfers (a warning once a hold reaches a quarter of what a peer waits for progress before giving up)."""
     def report(seconds: float, _ended: float) -> None:
         ep = ref()
-        if ep is None or ep._closed:
+        if ep is None or ep.closed:
             return
         ep.holds += 1
         ep.held_s += seconds
@@ -68,12 +72,23 @@ class Endpoint:
         ("role:party_id") its certificate must name; a name not in it must be named itself. `terms`:
         settings of the layer above that every peer must share (checked in the hello; handshake.py)."""
         self.config = config
+        self._host = host  # (outgoing connections leave from it where it is one address: bootstrap.source_address)
         self.terms = dict(terms) if terms else None
         self.secret = load_secret(config.secret_file) if config.secret_file else None
         if self.secret is None and not config.tls and not _loopback(host):
             raise ConfigError(f"fate-rdma endpoint on {host}: without authentication an endpoint may only listen on "
                               f"loopback; set secret_file (the federation's shared secret, `fate-rdma secret FILE`) "
                               f"or tls (the parties' certificates, `fate-rdma tls init`)")
+        if self.secret is not None and not config.tls and not _loopback(host) and not config.shared_secret_only:
+            raise ConfigError(f"fate-rdma endpoint on {host}: between hosts peers prove their party by certificate: set "
+                              f"tls: true with this party's certificate (fate-rdma tls request, then tls sign at the "
+                              f"federation's CA), or shared_secret_only: true in the site file to run on the secret "
+                              f"alone (members can then impersonate each other)")
+        if config.keyed and config.checksum not in KEYED and not _loopback(host) and config.integrity != "unkeyed":
+            raise ConfigError(f"fate-rdma endpoint on {host}: checksum {config.checksum} is not keyed: a relay on the "
+                              f"path between sites could alter weights and recompute it. Leave checksum at auto "
+                              f"(blake3, a MAC under each connection's session key), or accept the risk with "
+                              f"integrity: unkeyed in the site file")
         self.allowed_peers = frozenset(allowed_peers) if allowed_peers is not None else None
         self.tls = ChannelTLS(config, party_names) if config.tls else None
         if self.tls is not None and (name or port):  # before anything is opened: a wrong certificate fails here
@@ -83,23 +98,26 @@ class Endpoint:
         # peer before the channel would (its kernel send and receive timeouts; a real NIC answers from hardware)
         # same_host: false switches the same-host path off; true leaves it to the provider, which takes it where
         # it works unless the operator switched it off for every process (EASYPYVERBS_SOFT_SAME_HOST=off)
-        soft_opts: Dict[str, Any] = {"same_host": None if config.same_host else False,
-                                     "retry_timeout_s": max(30.0, config.no_progress_timeout_s)}
-        if self.tls is not None:
-            soft_opts["tls"] = self.tls.contexts  # the soft provider's data connections, with the same certificates
-        if provider == "soft":
-            soft_opts["bind_host"] = host
-        elif provider == "pyverbs" or provider == "auto" and ev.device.choose_provider("auto")[0] != "soft":
-            soft_opts = {}
-        self.ctx = ev.open_device(config.device, provider, link=config.soft_link if provider != "pyverbs" else None,
-                                  **soft_opts)
-        if self.ctx.provider == "soft" and provider == "auto" and host != "127.0.0.1":
-            log.info("soft provider bound to 127.0.0.1; pass provider='soft' to bind %s", host)
+        # (the soft provider's data connections use the endpoint's certificates; a real device ignores all this)
+        # the parties allowed to connect: their addresses are admitted ahead of strangers, here and by the soft NIC
+        self._party_hosts = HostSet(self.allowed_peers)
+        emulation = ev.Emulation(link=config.soft_link, bind_host=host, same_host=None if config.same_host else False,
+                                 retry_timeout_s=max(30.0, config.no_progress_timeout_s),
+                                 tls=self.tls.contexts if self.tls is not None else None,
+                                 known_sources=self._party_hosts.__contains__,
+                                 ports=port_range(config.soft_data_ports) if config.soft_data_ports else None)
+        self.ctx = ev.open_device(config.device, provider, emulation=emulation)
+        if self.ctx.emulated and provider == "auto" and host != "127.0.0.1":
+            log.info("%s bound to 127.0.0.1; pass provider='soft' to bind %s", self.ctx.label, host)
         self.pd = self.ctx.alloc_pd()
         self.listener = ev.Listener(host, port)
+        #: the policy a dial retries a handshake the peer closed unanswered under (it is at its cap of pending
+        #: handshakes): every 0.2 s within connect_timeout_s; tests pass a clock and a wait of their own
+        self.dial_retry: Callable[[float], Retry] = lambda timeout_s: Retry(timeout_s, first_pause_s=0.2,
+                                                                              max_pause_s=0.2)
         self.address = f"{host}:{self.listener.address[1]}"
         self.name = name or self.address
-        if self.tls is not None and self.ctx.provider != "soft":
+        if self.tls is not None and not self.ctx.emulated:  # (an emulated NIC's connections carry the tls)
             log.warning("fate-rdma endpoint %s: tls protects the bootstrap connections; the RDMA traffic of %s is "
                         "not encrypted by fate-rdma (use IPsec or MACsec on links that are not private)",
                         self.name, self.ctx.label)
@@ -116,14 +134,18 @@ class Endpoint:
         #: on_message's taker: offered each complete message in the delivering thread before the inbox
         self._taker: Optional[Callable[[Message], bool]] = None
         self.recv_buffers = RecvBuffers(config.recv_cache_bytes)
-        self.budget = Budget(config.budget_bytes)
-        self._pending = threading.BoundedSemaphore(config.max_pending_handshakes)
-        # handshakes pending per source address; loopback is one address for every local process (tests, one
-        # machine), so it gets the whole cap
-        self._pending_by_source: Dict[str, int] = {}
-        self._per_source_cap = (config.max_pending_handshakes if _loopback(host)
-                                else max(2, config.max_pending_handshakes // 4))
+        self.budget = Budget(config.budget_bytes, config.peer_budget_bytes)
+        # handshakes in progress (easypyverbs.admission): strangers share max_pending_handshakes, one address a
+        # quarter of them (loopback is one address for every local process, tests, one machine: all of them);
+        # the addresses of the parties allowed to connect have as many again of their own, which a flood from
+        # any number of addresses cannot take
+        self._admission = Admission(config.max_pending_handshakes,
+                                    config.max_pending_handshakes if _loopback(host)
+                                    else max(2, config.max_pending_handshakes // 4),
+                                    self._party_hosts.__contains__,
+                                    config.max_pending_handshakes if allowed_peers is not None else 0)
         self.refused = 0  # connections closed unauthenticated or over the pending cap (for tests and doctor)
+        self.last_refusal = ""  # why the last connection that failed its handshake here was refused
         self._closed = False
         # holds of this process (easypyverbs.stalls) since the endpoint opened: count, seconds, the longest
         self.holds, self.held_s, self.longest_hold_s = 0, 0.0, 0.0
@@ -131,17 +153,19 @@ class Endpoint:
         trace.watch_holds()
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
-        log.info("fate-rdma endpoint %s on %s (%s), peers %s%s", self.name, self.address, self.ctx.label,
-                 "authenticated (HMAC-SHA256 over the federation secret)" if self.secret else
-                 "authenticated by certificate only" if self.tls else "NOT authenticated",
-                 ", mutual TLS 1.3 (each peer's certificate names its party)" if self.tls else "")
-        if self.secret is None and self.tls is None:
-            log.warning("fate-rdma endpoint %s: UNAUTHENTICATED (no secret_file): loopback only; any local process "
-                        "can connect", self.name)
+        if config.metrics_dir and metrics.enable(config.metrics_dir):  # (never raises: off, with a warning)
+            metrics.started(self.ctx.provider)
+        log.info("fate-rdma endpoint %s on %s (%s)", self.name, self.address, self.ctx.label)
+        for level, line in posture(config, host):  # what its settings protect, and what not (docs/security.md)
+            (log.warning if level == "warning" else log.info)("fate-rdma endpoint %s: %s", self.name, line)
 
     @property
     def label(self) -> str:
         return self.ctx.label
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def _patience_s(self) -> float:
@@ -162,24 +186,19 @@ class Endpoint:
                 boot = self.listener.accept(timeout_s=0.5)
             except ev.BootstrapError:
                 continue
-            source = boot.peer[0]
-            with self._lock:  # one source address gets a quarter of the handshake slots: a flood from one host
-                crowded = self._pending_by_source.get(source, 0) >= self._per_source_cap  # leaves the rest to others
-                if not crowded:
-                    self._pending_by_source[source] = self._pending_by_source.get(source, 0) + 1
-            if crowded or not self._pending.acquire(blocking=False):  # bounded: no thread per stranger
-                if not crowded:
-                    self._source_done(source)
+            done = self._admission.admit(boot.peer[0])
+            if done is None:  # bounded: no thread per stranger
                 self.refused += 1
                 if self.refused in (1, 10, 100, 1000):
-                    log.warning("fate-rdma endpoint %s: %d handshakes already pending%s; closed a connection from %s "
-                                "(%d so far)", self.name, self.config.max_pending_handshakes if not crowded else
-                                self._per_source_cap, " from that address" if crowded else "", boot.peer, self.refused)
+                    log.warning("fate-rdma endpoint %s: too many handshakes pending (at most %d from strangers, %d "
+                                "from one address); closed a connection from %s (%d so far)", self.name,
+                                self._admission.strangers, self._admission.per_source, boot.peer, self.refused)
                 boot.close()
                 continue
-            threading.Thread(target=self._accept_one, args=(boot,), name="fate-rdma-handshake", daemon=True).start()
+            threading.Thread(target=self._accept_one, args=(boot, done), name="fate-rdma-handshake",
+                             daemon=True).start()
 
-    def _accept_one(self, boot: ev.BootstrapConn) -> None:
+    def _accept_one(self, boot: ev.BootstrapConn, done: Callable[[], None]) -> None:
         # every read of the handshake has its own deadline (connect_timeout_s) and the handshake has a
         # fixed number of reads, so a stranger holds one of max_pending_handshakes slots for a bounded time
         raw = boot
@@ -190,23 +209,26 @@ class Endpoint:
                 boot, claimed = self.tls.accept(raw, self.config.connect_timeout_s,
                                                 None if allowed is None else allowed.__contains__)
             who = authenticate(boot, self.name, self.secret, dialer=False, timeout_s=self.config.connect_timeout_s,
-                               accept=None if allowed is None else allowed.__contains__)
+                               accept=None if allowed is None else allowed.__contains__, tls=self.tls is not None)
             if self.tls is not None:
                 who = self.tls.bind(who, claimed)
             if allowed is not None and who.name not in allowed:  # unauthenticated (loopback) peers too
                 raise AuthenticationError(f"{who.name!r} is not a party of this endpoint's federation")
+            seal(boot, who, dialer=False)
             if who.authenticated:  # a proven party may be held mid-handshake as in a transfer (never a stranger)
                 boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
             conn = Connection(self, boot, dialer=False, identity=who)
         except Exception as exc:
             self.refused += 1
+            if isinstance(exc, AuthenticationError):
+                metrics.auth_failed("acceptor")
+            self.last_refusal = f"{raw.peer[0]}:{raw.peer[1]}: {exc}"
             log.warning("fate-rdma endpoint %s: rejected a connection from %s:%s: %s", self.name, *raw.peer[:2], exc)
             boot.close()
             raw.close()
             return
         finally:
-            self._pending.release()
-            self._source_done(raw.peer[0])
+            done()
         with self._lock:
             old = self._conns.get(conn.peer)
             if old is not None and old is not conn and old.dead is None:
@@ -215,14 +237,6 @@ class Endpoint:
                 self._conns[conn.peer] = conn
         if old is not None and old is not conn:
             old.close()
-
-    def _source_done(self, source: str) -> None:
-        with self._lock:
-            left = self._pending_by_source.get(source, 1) - 1
-            if left > 0:
-                self._pending_by_source[source] = left
-            else:
-                self._pending_by_source.pop(source, None)
 
     def connect(self, address: str) -> Connection:
         """The connection to the endpoint at `address` (host:port), made on first use and reused. With
@@ -239,40 +253,49 @@ class Endpoint:
                     return conn
             host, _, port = address.rpartition(":")
             started = time.monotonic()
-            deadline, tries = started + self.config.connect_timeout_s, 0
-            while True:
-                tries += 1
+            retry = self.dial_retry(self.config.connect_timeout_s)
+            for _ in retry:
                 try:
-                    boot = ev.connect(host, int(port), timeout_s=max(0.1, deadline - time.monotonic()))
+                    boot = ev.connect(host, int(port), timeout_s=max(0.1, retry.left_s()), source=self._host)
                 except (ev.EasyVerbsError, OSError, ValueError) as exc:
                     raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
-                                          f"{_tries(tries, started)}") from exc
+                                          f"{_tries(retry.attempts, started)}") from exc
                 # the peer's kernel took the connection; its process may be held (a long native call keeping
                 # its GIL): while its host acknowledges what we send, wait for it as for a held peer in a transfer
                 boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
                 try:
                     if self.tls is not None:  # TLS first; the peer's certificate must name the party at `address`
-                        boot = self.tls.dial(boot, address, self.name, max(0.1, deadline - time.monotonic()))
-                    who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s)
+                        boot = self.tls.dial(boot, address, self.name, max(0.1, retry.left_s()))
+                    who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s,
+                                       tls=self.tls is not None)
                     if self.tls is not None:
                         who = self.tls.bind(who, None)
+                    seal(boot, who, dialer=True)
                 except ev.BootstrapError as exc:
                     boot.close()
                     # closed before its first answer: the peer is at its cap of pending handshakes (strangers
                     # hold them until their deadline); try again within connect_timeout_s
-                    if ("closed" in str(exc) or "connection lost" in str(exc)) and time.monotonic() + 0.2 < deadline:
-                        time.sleep(0.2)
+                    if "closed" in str(exc) or "connection lost" in str(exc):
+                        retry.failed(exc)
+                        metrics.connect_retried()
                         continue
                     raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
-                                          f"{_tries(tries, started)}") from exc
-                except BaseException:
+                                          f"{_tries(retry.attempts, started)}") from exc
+                except BaseException as exc:
                     boot.close()
+                    if isinstance(exc, AuthenticationError):
+                        metrics.auth_failed("dialer")
                     raise
                 break
+            else:
+                raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {retry.last_error}"
+                                      f"{_tries(retry.attempts, started)}") from retry.last_error
             try:
                 if who.authenticated and who.name != address:
+                    metrics.auth_failed("dialer")
                     raise AuthenticationError(f"the endpoint at {address} proved it is {who.name!r}, not {address!r}")
                 conn = Connection(self, boot, dialer=True, identity=who)
+                metrics.dialed(time.monotonic() - started)
             except (ev.EasyVerbsError, OSError) as exc:
                 boot.close()
                 raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
@@ -323,7 +346,8 @@ class Endpoint:
             return spare
         return None
 
-    def _forget(self, conn: Connection) -> None:
+    def forget(self, conn: Connection) -> None:
+        """`conn` has ended (Connection's teardown): its spare, if any, takes its place."""
         with self._lock:
             for k in [k for k, v in self._extra.items() if v is conn]:
                 del self._extra[k]
@@ -348,7 +372,12 @@ class Endpoint:
         `doctor` prints what a configuration lets the pools hold, slots.pool_policy)."""
         from .slots import pool_report
 
-        return pool_report(self._all_conns(), self.budget, self.recv_buffers)
+        pools = []
+        for c in self._all_conns():
+            slots, rx = c.mem.slots if c.mem is not None else None, c.slot_receiver
+            if slots is not None and rx is not None:
+                pools.append((c.peer, slots, rx.machine.pool, rx.lent_slots()))
+        return pool_report(pools, self.budget, self.recv_buffers)
 
     def peers(self) -> List[str]:
         return sorted({c.peer for c in self._all_conns()})
@@ -359,7 +388,14 @@ class Endpoint:
         """Send `buffers` (bytes, memoryview, numpy array or a list of them) with `metadata` to `address`;
         with `fill`, buffers still being copied into (back to front): chunks go as their bytes are final."""
         began = time.monotonic()  # (c_send is stamped with the call's start: before the engine can start it)
-        fut = self.connect(address).send(buffers, metadata, fill)
+        try:
+            conn = self.connect(address)
+            fut = conn.send(buffers, metadata, fill)
+        except FateRdmaError as exc:
+            metrics.send_failed(exc)
+            raise
+        metrics.sending(fut, conn.peer, conn.where["provider"], conn.path_kind.value, conn.send_integrity.kind,
+                        self.config.log_format)
         trace.event("c_send", at=began, tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
         return fut
 
@@ -371,8 +407,13 @@ class Endpoint:
         must not raise after detaching or releasing it): the error is logged and the message goes to the inbox."""
         self._taker = take
 
-    def _inbox_put(self, msg: Message) -> None:
+    def deliver(self, msg: Message) -> None:
+        """A complete message from a connection: to the taker (on_message), else to the inbox."""
         trace.event("c_deliver", tid=msg.transfer_id, bytes=msg.nbytes, peer=msg.peer)
+        if metrics.enabled():
+            conn = self._conns.get(msg.peer) or self._extra.get(msg.peer)
+            metrics.received(msg.peer, msg.nbytes, msg.mode, self.ctx.provider,
+                             conn.path_kind.value if conn is not None else "")
         take = self._taker
         if take is not None:
             try:
@@ -395,6 +436,7 @@ class Endpoint:
             return
         self._closed = True
         stalls.unsubscribe(self._holds_token)
+        self.listener.stop()  # the acceptor wakes now instead of at its next poll
         self._acceptor.join(timeout=5)
         self.listener.close()
         if self.config.mode == "fedrdma-e":  # what the pools hold at the end, for the task's log

@@ -1,79 +1,89 @@
 """FedRDMA over a connection: chunks through the peer's staging buffers, one ACK each, reassembly.
 
 Sending: chunk i goes to a staging buffer of the peer that we hold credit for: its data, then
-[HEADER|meta] as WRITE_WITH_IMM(imm = STAGING_BIT | buffer index). The peer copies the chunk to the
-transfer's destination and ACKs it, naming the buffer, which gives the credit back.
-Receiving: the mirror image, with protocol.FedRdmaReceiver deciding what each chunk is.
+[HEADER|meta] as WRITE_WITH_IMM, whose immediate names the buffer (protocol/packing.py). The peer copies the
+chunk to the transfer's destination and ACKs it, naming the buffer, which gives the credit back.
+Receiving: the mirror image, with protocol.FedRdmaReceiver deciding what each chunk is (its states and their
+transitions are the protocol's).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import crc32c
 
+import easypyverbs as ev
 from easypyverbs.stalls import clock
 
 from .. import protocol as P
 from .. import trace
 from ..errors import IntegrityError, PayloadTooLarge, RemoteProtocolError
 from ..protocol.frames import CtrlKind, ErrorCode
+from ..protocol.hello import StagingOffer
+from ..protocol.integrity import Digest, Integrity
+from ..protocol.packing import staged_imm
 from ..protocol.policy import StagingCredits
-from .buffers import RecvBuffers, copy_into
+from ..protocol.refusal import code_for
+from .buffers import RecvBuffers, Share, copy_into
 from .checksum import payload_digest
-from .handshake import StagingOffer
-
-if TYPE_CHECKING:
-    from .connection import Connection, Outgoing
+from .outgoing import Outgoing
+from .port import Plan, RecvPort, SendPort
 
 log = logging.getLogger("fate_rdma.channel")
 
-#: the immediate of a staged chunk's WRITE_WITH_IMM; FedRDMA-E immediates (slot << 16 | seq) stay below it
-STAGING_BIT = 1 << 31
+
+def _machine(o: Outgoing) -> P.FedRdmaSender:
+    m = o.machine
+    assert isinstance(m, P.FedRdmaSender), "a staged transfer is FedRDMA's"
+    return m
 
 
 class StagedSender:
     """Posts FedRDMA chunks into the peer's staging buffers and turns its ACKs into progress."""
 
-    def __init__(self, conn: "Connection", offer: StagingOffer) -> None:
-        self.conn, self.offer = conn, offer
+    def __init__(self, port: SendPort, offer: StagingOffer, staging: ev.RemoteMR) -> None:
+        """`offer`: the peer's staging buffers, `staging`: the MR that holds them."""
+        self.port, self.offer, self.staging = port, offer, staging
         self.credits = StagingCredits(offer.count)
 
-    def machine(self, o: "Outgoing", window: int, common: Dict[str, float]) -> P.FedRdmaSender:
-        return P.FedRdmaSender(o.fut.transfer_id, o.payload.total, self.conn.cfg.chunk_bytes,
-                               min(window, self.offer.count), **common)
+    def machine(self, o: Outgoing, plan: Plan) -> P.FedRdmaSender:
+        return P.FedRdmaSender(o.fut.transfer_id, o.payload.total, plan.chunk_bytes, min(plan.window, self.offer.count),
+                               now=plan.now, first_chunk_bytes=plan.first_chunk_bytes,
+                               no_progress_s=plan.no_progress_s, total_s=plan.total_s)
 
-    def pump(self, o: "Outgoing") -> None:
-        for c in o.machine.next_chunks(self.credits.available):
-            self._post(o, c)
+    def pump(self, o: Outgoing) -> None:
+        m = _machine(o)
+        for c in m.next_chunks(self.credits.available):
+            self._post(o, m, c)
 
-    def _post(self, o: "Outgoing", c: P.Chunk) -> None:
-        conn = self.conn
-        qp = conn.next_qp()
+    def _post(self, o: Outgoing, m: P.FedRdmaSender, c: P.Chunk) -> None:
+        port = self.port
+        qp = port.next_qp()
         st = self.credits.take()
-        staging = conn.remote["staging"]
         base = self.offer.base(st)
-        conn.post_data(qp, o, c, staging, self.offer.data_offset(st), False, c.seq)
+        port.post_data(qp, o, c, self.staging, self.offer.data_offset(st), False, c.seq)
         meta = o.meta if c.seq == 0 else b""
-        digest: Any = None
+        digest: Digest = None
         if o.integrity.kind == "crc32c":
-            digest = 0
+            crc = 0
             for s in o.payload.sges(c.offset, c.length):
-                digest = crc32c.crc32c(s.view(), digest)
-        elif o.integrity.kind in ("blake2b", "xxh3"):
+                crc = crc32c.crc32c(s.view(), crc)
+            digest = crc
+        elif o.integrity.kind in ("blake2b", "blake3", "xxh3"):
             digest = payload_digest(o.integrity, [s.view() for s in o.payload.sges(c.offset, c.length)])
-        hdr = o.integrity.seal(o.machine.header(c, len(meta), None), meta, digest)
-        conn.post_header(qp, o, hdr, c.seq, staging, base, STAGING_BIT | st)
+        hdr = o.integrity.seal(m.header(c, len(meta), None), meta, digest)
+        port.post_header(qp, o, hdr, c.seq, self.staging, base, staged_imm(st))
 
-    def on_ack(self, c: P.Ctrl, active: Optional["Outgoing"]) -> None:
+    def on_ack(self, c: P.Ctrl, active: Optional[Outgoing]) -> None:
         """An ACK: the staging buffer it names is ours again; progress if it is the active transfer's."""
         self.credits.give_back(int(c.aux))
         if active is not None and active.machine is not None and active.fut.transfer_id == c.transfer_id \
                 and active.error is None and isinstance(active.machine, P.FedRdmaSender):
             active.machine.on_ack(int(c.value), clock())
-            active.fut._progress(active.machine.done_bytes)
+            active.fut.report_progress(active.machine.done_bytes)
             if active.machine.finished:
-                self.conn.finish_out(active)
+                self.port.finish(active)
 
 
 class _Reassembly:
@@ -81,17 +91,22 @@ class _Reassembly:
 
     def __init__(self, total: int, buffers: RecvBuffers) -> None:
         self.dest = buffers.get(total)
-        self.view = memoryview(self.dest).cast("B")
+        self.view = self.dest.data.cast("B")
         self.meta: Optional[bytes] = None
 
 
 class StagedReceiver:
     """Takes chunks out of this side's staging buffers, copies them into place, and ACKs them."""
 
-    def __init__(self, conn: "Connection") -> None:
-        self.conn = conn
-        cfg = conn.cfg
-        self.machine = P.FedRdmaReceiver(cfg.max_payload_bytes, cfg.no_progress_timeout_s, integrity=conn.recv_integrity)
+    def __init__(self, port: RecvPort, peer: str, offer: StagingOffer, staging_view: Callable[[int], memoryview],
+                 share: Share, buffers: RecvBuffers, max_payload_bytes: int, no_progress_s: float,
+                 integrity: Integrity) -> None:
+        """`offer`: this side's staging buffers, `staging_view(i)`: buffer i's bytes (layout.LocalMemory);
+        `share`: the connection's part of the memory budget, which reassembly buffers reserve from (within
+        what this peer may hold), `buffers`: where they come from."""
+        self.port, self.peer, self.offer, self.staging_view = port, peer, offer, staging_view
+        self.share, self.buffers, self.no_progress_s = share, buffers, no_progress_s
+        self.machine = P.FedRdmaReceiver(max_payload_bytes, no_progress_s, integrity=integrity)
         self._incoming: Dict[int, _Reassembly] = {}
 
     @property
@@ -99,60 +114,54 @@ class StagedReceiver:
         return bool(self._incoming)
 
     def on_chunk(self, st: int) -> None:
-        conn = self.conn
-        if not 0 <= st < conn.mem.staging.count:  # type: ignore[union-attr]
-            raise RemoteProtocolError(f"WRITE_WITH_IMM names staging buffer {st}; this side has "
-                                      f"{conn.mem.staging.count}")  # type: ignore[union-attr]
-        view = conn.mem.staging_view(st)
+        port, offer = self.port, self.offer
+        offer.check_arrival(st)
+        view = self.staging_view(st)
         hdr = P.decode_header(bytes(view[:P.HEADER.size]))
         ack = P.Ctrl(CtrlKind.ACK, hdr.transfer_id, hdr.seq, st)
-        data_at = P.HEADER.size + conn.mem.staging.meta_cap  # type: ignore[union-attr]
-        if hdr.length > conn.mem.staging.chunk_capacity:  # type: ignore[union-attr]
-            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: {hdr.length} bytes do not fit a "
-                                      f"staging buffer of {conn.mem.staging.chunk_capacity}")  # type: ignore[union-attr]
+        data_at = P.HEADER.size + offer.meta_cap
+        offer.check_chunk(hdr)
         data = view[data_at:data_at + hdr.length]
         meta = bytes(view[P.HEADER.size:P.HEADER.size + hdr.meta_len])  # the checksum covers it
         try:
             placed = self.machine.on_chunk(hdr, data, clock(), meta)
         except (IntegrityError, PayloadTooLarge, RemoteProtocolError) as exc:
             self._forget(hdr.transfer_id)
-            code = (ErrorCode.INTEGRITY if isinstance(exc, IntegrityError) else
-                    ErrorCode.TOO_LARGE if isinstance(exc, PayloadTooLarge) else ErrorCode.PROTOCOL)
-            conn.refuse(hdr.transfer_id, code, str(exc))
-            conn.send_ctrl(ack)
+            port.refuse(hdr.transfer_id, code_for(exc), str(exc))
+            port.send_ctrl(ack)
             return
         if placed is not None:
             inc = self._incoming.get(hdr.transfer_id)
             if inc is None:
-                budget = conn.endpoint.budget
-                if not budget.reserve(hdr.total):  # refused at its first chunk, before allocation
-                    self.machine.cancel(hdr.transfer_id)
-                    conn.refuse(hdr.transfer_id, ErrorCode.TOO_LARGE,
-                                f"{hdr.total} bytes would exceed the receiver's memory budget ({budget.limit_bytes} "
-                                f"bytes, {budget.held_bytes} held)")
-                    conn.send_ctrl(ack)
+                if not self.share.reserve(hdr.total):  # refused at its first chunk, before allocation
+                    self.machine.refuse(hdr.transfer_id)
+                    # (what is left of the budget is not the peer's to know: Budget.reserve logs it here)
+                    port.refuse(hdr.transfer_id, ErrorCode.TOO_LARGE,
+                                f"payload of {hdr.total} bytes exceeds the receiver's limit for this peer")
+                    port.send_ctrl(ack)
                     return
-                inc = self._incoming[hdr.transfer_id] = _Reassembly(hdr.total, conn.endpoint.recv_buffers)
+                inc = self._incoming[hdr.transfer_id] = _Reassembly(hdr.total, self.buffers)
             copy_into(inc.dest, hdr.offset, data)  # the reassembly copy FedRDMA pays for
             if hdr.seq == 0:
                 inc.meta = meta
         complete = placed is not None and placed.complete
         if complete:  # (traced before the last ACK, which completes the send; every chunk was checked on arrival)
-            trace.event("c_arrived", tid=hdr.transfer_id, peer=conn.peer)
-            trace.event("c_verified", tid=hdr.transfer_id, peer=conn.peer)
-        conn.send_ctrl(ack)
+            trace.event("c_arrived", tid=hdr.transfer_id, peer=self.peer)
+            trace.event("c_verified", tid=hdr.transfer_id, peer=self.peer)
+        port.send_ctrl(ack)
         if complete:
             inc = self._incoming.pop(hdr.transfer_id)
-            conn.endpoint.budget.release(hdr.total)  # the application's memory from here on
-            conn.deliver(hdr.transfer_id, inc.meta or b"{}", inc.view, "fedrdma", None)
+            self.share.release(hdr.total)  # the application's memory from here on
+            port.deliver(hdr.transfer_id, inc.meta or b"{}", inc.view, "fedrdma", None)
 
     def _forget(self, transfer_id: int) -> None:
         inc = self._incoming.pop(transfer_id, None)
         if inc is not None:
-            self.conn.endpoint.budget.release(inc.dest.nbytes)
+            self.share.release(inc.dest.nbytes)
 
     def on_cancel(self, transfer_id: int) -> bool:
-        """The sender cancelled `transfer_id`; True if it was arriving here."""
+        """The sender cancelled `transfer_id` (or a CANCEL named a transfer of neither side's: it is dropped
+        should its chunks come); True if it was arriving here."""
         if self.machine.cancel(transfer_id):
             self._forget(transfer_id)
             return True
@@ -161,10 +170,9 @@ class StagedReceiver:
     def tick(self, now: float) -> None:
         for tid in self.machine.expired(now):
             self._forget(tid)
-            self.conn.refuse(tid, ErrorCode.TIMEOUT, f"incoming transfer dropped: no chunk for "
-                             f"{self.conn.cfg.no_progress_timeout_s:g} s")
+            self.port.refuse(tid, ErrorCode.TIMEOUT, f"incoming transfer dropped: no chunk for "
+                             f"{self.no_progress_s:g} s")
 
     def clear(self) -> None:
         for tid in list(self._incoming):
             self._forget(tid)
-

@@ -10,18 +10,19 @@
     hdr       outgoing headers (+ metadata), one buffer per header WRITE in flight
 
 The remote layouts (the peer's pool and staging buffers) are described by its hello: see
-handshake.PoolOffer and handshake.StagingOffer, which this module mirrors for the local side.
+protocol/hello.py (PoolOffer, StagingOffer), which this module mirrors for the local side.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 import easypyverbs as ev
 
-from ..protocol.frames import CTRL, HEADER, MAX_META
-from .handshake import HDR_SLOT, PoolOffer, StagingOffer
+from ..protocol.frames import CTRL
+from ..protocol.hello import HDR_SLOT, PoolOffer, StagingOffer
 from .slots import WRITE_ONLY, SlotMemory
 
 #: a control frame (CTRL + reason) fits with room to spare
@@ -32,10 +33,11 @@ RECV_DEPTH = 256
 CTRL_SENDS = 256
 
 
-def same_host_capable(ctx: Any) -> bool:
-    """Does `ctx` (a device context) move payloads to peers of this host by the soft provider's same-host
-    path? (Endpoint.same_host_capable; FedRDMA-E slots for a peer of this host are then shared memory.)"""
-    return bool(getattr(ctx, "same_host", False)) and getattr(ctx, "link", None) is None
+def same_host_capable(ctx: ev.Context) -> bool:
+    """Does `ctx` (a device context) move payloads to peers of this host by a copy between the two processes
+    (Context.same_host)? (Endpoint.same_host_capable; FedRDMA-E slots for a peer of this host are then shared
+    memory.)"""
+    return ctx.same_host
 
 
 class LocalMemory:
@@ -56,10 +58,11 @@ class LocalMemory:
         try:
             if pool is not None:  # one MR per slot: a grant the peer loses while the slot is held
                 initial = pool.slot_payload_bytes if slot_initial_bytes is None else slot_initial_bytes
-                self.slots = SlotMemory(pd, pool, initial, pin=getattr(pd.ctx, "provider", "") != "soft",
+                self.slots = SlotMemory(pd, pool, initial, pin=pd.ctx.pins_memory,
                                         track=track, shared=near and same_host_capable(pd.ctx))
                 for i, mr in enumerate(self.slots.mrs):
-                    self.remote_mrs[f"slot{i}"] = mr  # type: ignore[assignment]
+                    assert mr is not None, "each slot is registered as it is made"
+                    self.remote_mrs[f"slot{i}"] = mr
             if staging is not None:
                 self.staging_buf, self.remote_mrs["staging"] = self._register(pd, staging.count * staging.buf_bytes, rw)
             self.nqps = nqps
@@ -73,21 +76,13 @@ class LocalMemory:
         self.hdr_free = list(range(nhdr - 1, -1, -1))
         self.ctrl_free = list(range(CTRL_SENDS - 1, -1, -1))
 
-    # -- FedRDMA-E grants: the peer may write a slot only while it holds that slot's current rkey -------
+    # -- FedRDMA-E slots (SlotMemory: the peer may write a slot only while it holds its current rkey) --------
     @property
     def pool_bytes(self) -> int:
         """Bytes of receive slots registered now."""
         return self.slots.reserved_bytes if self.slots is not None else 0
 
-    def revoke_slot(self, slot: int) -> None:
-        """The slot's transfer arrived: from now on the peer's WRITEs to it fail (remote access error)."""
-        self.slots.revoke(slot)  # type: ignore[union-attr]
-
-    def grant_slot(self, slot: int) -> int:
-        """Give the slot back to the peer under a new rkey (returned, for its CREDIT)."""
-        return self.slots.grant(slot)  # type: ignore[union-attr]
-
-    def _register(self, pd: ev.PD, nbytes: int, access: ev.Access) -> Tuple[np.ndarray, ev.MR]:
+    def _register(self, pd: ev.PD, nbytes: int, access: ev.Access) -> Tuple[NDArray[Any], ev.MR]:
         buf = np.empty(max(nbytes, 1), dtype=np.uint8)  # untouched pages cost no memory until written
         mr = pd.reg_mr(buf, access)
         self.mrs.append(mr)
@@ -117,18 +112,15 @@ class LocalMemory:
         return idx, self.hdr_mr.sge(base, len(raw_header) + len(meta))
 
     # -- receive areas --------------------------------------------------------------------------
-    def slot_view(self, slot: int) -> memoryview:
-        """The slot's current extent."""
-        return self.slots.view(slot)  # type: ignore[union-attr]
-
     def staging_view(self, index: int) -> memoryview:
         assert self.staging is not None
         base = self.staging.base(index)
-        return memoryview(self.staging_buf)[base:base + self.staging.buf_bytes]
+        return self.staging_buf.data[base:base + self.staging.buf_bytes]
 
     def close(self) -> None:
         for mr in self.mrs:
             mr.close()
         self.mrs = []
-        if getattr(self, "slots", None) is not None:
-            self.slots.close()  # type: ignore[union-attr]
+        slots: Optional[SlotMemory] = getattr(self, "slots", None)  # (None: __init__ failed before it)
+        if slots is not None:
+            slots.close()

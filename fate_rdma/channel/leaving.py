@@ -1,11 +1,10 @@
-"""A FedRDMA-E payload's digest taken as its bytes leave, on a QP that sends them itself (QP.calls_on_leave: the
-soft provider over TCP), instead of in a separate pass over the payload on the digest pool.
+"""A FedRDMA-E payload's digest taken as its bytes leave, on a QP that sends them itself (capabilities.LeavingWrites
+with calls_on_leave: the soft provider over TCP), instead of in a separate pass over the payload on the digest pool.
 
 The pool's pass reads the payload from memory apart from the kernel's copy of it into the socket, on another
-thread: on the 2-core test machine that cost the sender about 0.1 CPU-s per GB and ~11 points of fedrdma-e's
-ratio to raw TCP with XXH3 (docs/FIGURES.md, 2026-11-30). Here the soft provider's send thread hands each
-piece of a WRITE to `leave` shortly before it goes, and the piece is digested while it is in cache, as the
-receiver digests each piece where it lands.
+thread: a second read of every byte, which a small machine pays for in CPU time and throughput (docs/benchmarks.md
+has the figures). Here the soft provider's send thread hands each piece of a WRITE to `leave` shortly before
+it goes, and the piece is digested while it is in cache, as the receiver digests each piece where it lands.
 
 Only the blocks that lie wholly inside one chunk other than chunk 0 go this way (the transfer's chunks are
 known: the digest is made with its FedRDMA-E machine). The header carries the digest and leaves with chunk 0
@@ -19,13 +18,16 @@ the digest is the one payload_digest gives.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Set
+
+from easypyverbs.capabilities import LeavingWrites
 
 from ..protocol.chunking import Chunk
 from ..protocol.integrity import BLOCK_BYTES, Digest, Integrity, blocks as _blocks
-from .checksum import INLINE_DIGEST_BYTES, _block_digest_fn, _from_blocks, _pool, block_hasher
+from .checksum import INLINE_DIGEST_BYTES, block_digest_fn, block_hasher, digest_pool, from_blocks
 
 log = logging.getLogger("fate_rdma.channel")
 
@@ -40,6 +42,7 @@ class LeavingDigest:
             raise ValueError(f"checksum {integrity.kind!r} has no block-wise digests")
         self._start = start
         self.kind = integrity.kind
+        self._integrity = integrity
         self._views = list(views)
         self.total = sum(v.nbytes for v in self._views)
         self._n = -(-self.total // BLOCK_BYTES)
@@ -48,8 +51,8 @@ class LeavingDigest:
         self._chunks_hooked = set(hooked.values())
         self._digests: Dict[int, Any] = {}
         self._hashing: Dict[int, List[Any]] = {}  # block -> [hasher, bytes fed]: one sending thread's each
-        self._skipped: set = set()  # hooked blocks not seen whole and in order: settle digests them
-        self._pooled: set = set()
+        self._skipped: Set[int] = set()  # hooked blocks not seen whole and in order: settle digests them
+        self._pooled: Set[int] = set()
         self._lock = threading.Lock()
         self._settled = False
         #: the payload's digest (payload_digest's), once every block has one
@@ -63,7 +66,8 @@ class LeavingDigest:
         one chunk of `chunk_bytes` (the connection's now: one chunk has nothing to hook, and is better digested
         at once, while it may still wait for a slot), every QP sending the bytes itself."""
         return (integrity.on and block_hasher(integrity) is not None and fill is None
-                and total > max(INLINE_DIGEST_BYTES, chunk_bytes) and all(q.calls_on_leave for q in qps))
+                and total > max(INLINE_DIGEST_BYTES, chunk_bytes)
+                and all(isinstance(q, LeavingWrites) and q.calls_on_leave for q in qps))
 
     @classmethod
     def make(cls, views: Sequence[memoryview], integrity: Integrity, chunks: Sequence[Chunk]) -> "LeavingDigest | None":
@@ -79,7 +83,7 @@ class LeavingDigest:
         return self.at if c.seq in self._chunks_hooked else None
 
     def leave(self, off: int, piece: memoryview) -> None:
-        """QP.post_write's on_leave, in payload offsets: digest `piece` (at `off`) on its way out."""
+        """A WRITE's on_leave (LeavingWrites.post_write), in payload offsets: digest `piece` (at `off`) on its way out."""
         try:
             while piece.nbytes:
                 b = off // BLOCK_BYTES
@@ -124,12 +128,12 @@ class LeavingDigest:
         if not which:
             return
         blocks = _blocks(self._views)
-        fn = _block_digest_fn(self.kind)
+        fn = block_digest_fn(self._integrity)
         with self._lock:
             self._pooled.update(which)
         for b in which:
-            f = _pool("block").submit(fn, b, blocks[b])
-            f.add_done_callback(lambda f, b=b: self._pooled_done(b, f))
+            f = digest_pool("block").submit(fn, b, blocks[b])
+            f.add_done_callback(functools.partial(self._pooled_done, b))
 
     def _pooled_done(self, b: int, f: "concurrent.futures.Future[Any]") -> None:
         try:
@@ -147,7 +151,7 @@ class LeavingDigest:
                 return  # (a block digested both ways: the same digest)
             self._digests[b] = digest
             if len(self._digests) == self._n:
-                self.future.set_result(_from_blocks(self.kind, self._digests))
+                self.future.set_result(from_blocks(self.kind, self._digests))
 
     def at(self, base: int) -> Any:
         """on_leave for a WRITE whose first byte is payload byte `base`."""

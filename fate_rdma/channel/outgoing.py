@@ -1,14 +1,29 @@
 """What the engine keeps of a transfer it sends, and the names of its requests and work requests."""
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import time
-from typing import Any, Dict, Optional
+from typing import Optional, TypedDict, Union
 
 from .. import trace
-from ..protocol.integrity import Integrity
+from ..protocol.fedrdma import FedRdmaSender
+from ..protocol.fedrdma_e import FedRdmaESender
+from ..protocol.integrity import Digest, Integrity
 from ..protocol.policy import Mode
+from .leaving import LeavingDigest
 from .transfer import Payload, TransferFuture
+
+#: a transfer's sending machine: FedRDMA's (staged chunks) or FedRDMA-E's (one receive slot)
+Machine = Union[FedRdmaSender, FedRdmaESender]
+
+
+class Where(TypedDict):
+    """What a connection's transfers go over, for the trace (`bench timeline` names it on every row)."""
+
+    provider: str
+    emulated: bool
+    path: str
 
 
 class Request(enum.Enum):
@@ -31,26 +46,24 @@ class Outgoing:
 
     def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, integrity: Integrity) -> None:
         self.fut, self.payload, self.meta = fut, payload, meta
-        #: the checksum (and for blake2b the key) this side's transfers to the peer carry
+        #: the checksum (and for a MAC the key) this side's transfers to the peer carry
         self.integrity = integrity
         self.checksums = integrity.on
         #: FedRDMA-E whole-payload checksum (crc32c, or BLAKE2b leaves), computed while the first chunks are on the wire
-        self.crc_future: Any = None
+        self.crc_future: Optional["concurrent.futures.Future[Digest]"] = None
         #: where the digest is taken as the chunks leave (leaving.py): its on_leave hooks, settle; `leave_ok`: it may be
-        self.leaving: Any = None
+        self.leaving: Optional[LeavingDigest] = None
         self.leave_ok = False
         self.mode: Optional[Mode] = None
-        self.machine: Any = None
+        self.machine: Optional[Machine] = None
         self.slot: Optional[int] = None
         self.first_try: Optional[float] = None  # when it first asked for a FedRDMA-E slot
         self.pending_wrs = 0
         self.posted_any = False  # (a chunk of it was posted)
         self.error: Optional[BaseException] = None
         self.started = 0.0
-        #: FedRDMA-E: the first checksum block the last PLACED note covered (the receiver checksums from there on)
-        self.noted: Optional[int] = None
 
-    def begin(self, machine: Any, mode: Mode, where: Dict[str, Any]) -> None:
+    def begin(self, machine: Machine, mode: Mode, where: Where) -> None:
         """It becomes its connection's active transfer (a receive slot granted, where FedRDMA-E needs one);
         `where`: the connection's provider, whether it is emulated, and its data path (for the trace)."""
         self.machine, self.mode, self.started = machine, mode, time.monotonic()  # (not the held clock: for the result)

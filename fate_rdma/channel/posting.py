@@ -7,6 +7,7 @@ import logging
 from typing import Any, Callable, List, Optional
 
 import easypyverbs as ev
+from easypyverbs.capabilities import LeavingWrites
 
 from ..protocol.integrity import BLOCK_BYTES
 from .layout import RECV_DEPTH
@@ -18,16 +19,15 @@ log = logging.getLogger("fate_rdma.channel")
 MAX_SEND_SGE = 30
 
 
-def same_host_path(rcs: List[ev.RCConnection]) -> bool:
-    """Do the data QPs `rcs` (a connection's) move payloads by the soft provider's same-host copy (no wire)?"""
-    return bool(rcs) and all(str(getattr(rc.qp, "data_path", "")).startswith("same-host") for rc in rcs)
-
-
-def soft_tcp_path(ctx: ev.Context, rcs: List[ev.RCConnection]) -> bool:
-    """Do the data QPs `rcs` move payloads over the soft provider's TCP streams, with no link model (an
-    emulated link paces chunks as a wire would; TCP between sites does not)?"""
-    return (getattr(ctx, "provider", None) == "soft" and getattr(ctx, "link", None) is None and bool(rcs)
-            and all(str(getattr(rc.qp, "data_path", "")).startswith("tcp") for rc in rcs))
+def connection_path(rcs: List[ev.RCConnection]) -> ev.DataPath:
+    """How the data QPs `rcs` (a connection's, connected) move payloads, as their provider reports it: their common
+    kind; where they differ (a QP that could not take the same-host path), the kind of one whose payloads cross a
+    wire, which the others wait for."""
+    kinds = {rc.qp.path_kind for rc in rcs}
+    if len(kinds) == 1:
+        return kinds.pop()
+    crossing = [k for k in kinds if not k.same_host]
+    return crossing[0] if crossing else ev.DataPath.RDMA
 
 
 def data_qp_cap(max_send_sge: int) -> ev.QPCap:
@@ -59,7 +59,8 @@ def post_chunk(qp: ev.QP, sges: List[ev.SGE], offset: int, in_place: bool, remot
     max_send_sge SGEs (group_sges); `in_place` (into a FedRDMA-E slot, the payload's final place) on a provider
     that digests WRITEs as they land: cut at integrity blocks (elsewhere cuts would only add WRs). With
     `signal`, the last WR is signaled with the wr_id it returns (called only if a WR is posted). `leave_at(pos)`:
-    the on_leave hook (QP.post_write) for a WR whose first byte is payload byte `pos` (leaving.py)."""
+    the on_leave hook (capabilities.LeavingWrites) for a WR whose first byte is payload byte `pos` (leaving.py),
+    on a QP that takes one."""
     cut_at = BLOCK_BYTES if in_place and qp.ctx.tracks_writes else 0
     groups = group_sges(sges, qp.cap.max_send_sge, offset, cut_at)
     pos = offset
@@ -67,8 +68,11 @@ def post_chunk(qp: ev.QP, sges: List[ev.SGE], offset: int, in_place: bool, remot
         if not g:
             continue
         last = signal is not None and i == len(groups) - 1
-        qp.post_write(g, remote, remote_offset=roff, wr_id=signal() if last else 0, signaled=last,  # type: ignore[misc]
-                      on_leave=leave_at(pos) if leave_at is not None else None)
+        wr_id = signal() if signal is not None and last else 0
+        if leave_at is not None and isinstance(qp, LeavingWrites):
+            qp.post_write(g, remote, remote_offset=roff, wr_id=wr_id, signaled=last, on_leave=leave_at(pos))
+        else:
+            qp.post_write(g, remote, remote_offset=roff, wr_id=wr_id, signaled=last)
         n = sum(s.length for s in g)
         roff += n
         pos += n

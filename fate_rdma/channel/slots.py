@@ -17,15 +17,18 @@ import functools
 import logging
 import mmap
 import sys
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 import easypyverbs as ev
+from easypyverbs.capabilities import PlacesWrites
 
-from .buffers import zero_fill
 from ..protocol.integrity import BLOCK_BYTES
-from .handshake import PoolOffer
+from ..protocol.pool import ReceivePool
+from .buffers import Budget, RecvBuffers, zero_fill
+from ..protocol.hello import PoolOffer
 
 log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
@@ -40,12 +43,17 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith
 MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
 
-def _shared(n: int) -> Optional[np.ndarray]:
+def _shared(n: int) -> Optional[NDArray[Any]]:
     """`n` bytes of sparse shared memory for a slot, or None where a memfd cannot be made."""
     try:
         return ev.buffers.shared_array(n)
     except OSError:
         return None
+
+
+def _placing_after_close(mr: ev.MR) -> bool:
+    """Was a WRITE still being placed when `mr`'s remote access ended (where the provider places WRITEs itself)?"""
+    return isinstance(mr, PlacesWrites) and mr.placing_after_close
 
 
 def _pages(n: int) -> int:
@@ -58,7 +66,7 @@ def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def resident_bytes(arr: np.ndarray) -> Optional[int]:
+def resident_bytes(arr: NDArray[Any]) -> Optional[int]:
     """Bytes of `arr` (page-aligned) in memory now, by mincore(2); None where that cannot be asked."""
     n = arr.nbytes
     if not n:
@@ -87,24 +95,26 @@ class SlotMemory:
         on this host may copy its large WRITEs in itself (the soft provider's push); private memory where
         memfds cannot be made."""
         self._pd, self.offer, self.pin, self.track = pd, offer, pin, track
-        #: each slot's digests of the blocks its current grant's WRITEs placed (MR.track_writes), or None
+        #: each slot's digests of the blocks its current grant's WRITEs placed (PlacesWrites.track_writes), or None
         self.landed: List[Optional[Any]] = []
         self._untracked: Set[int] = set()
         #: slots whose MR is registered with no remote access (revoked, kept for MR.rekey at the next grant)
         self._keyless: Set[int] = set()
         self.initial_payload_bytes = min(initial_payload_bytes, offer.slot_payload_bytes)
         self._maps: List[Optional[mmap.mmap]] = []  # (None: a shared slot, unmapped with its last view)
-        self._arrs: List[np.ndarray] = []
+        self._arrs: List[NDArray[Any]] = []
         self.capacity: List[int] = []
         self.mrs: List[Optional[ev.MR]] = []
         try:
             for _ in range(offer.slots):
                 arr = _shared(_pages(offer.slot_bytes)) if shared else None
-                mm = None if arr is not None else mmap.mmap(-1, _pages(offer.slot_bytes),
-                                                            flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
-                                                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = None
+                if arr is None:
+                    mm = mmap.mmap(-1, _pages(offer.slot_bytes), flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    arr = np.frombuffer(mm, dtype=np.uint8)
                 self._maps.append(mm)
-                self._arrs.append(arr if arr is not None else np.frombuffer(mm, dtype=np.uint8))
+                self._arrs.append(arr)
                 self.capacity.append(self.initial_payload_bytes)
                 self.mrs.append(None)
                 self.landed.append(None)
@@ -133,7 +143,7 @@ class SlotMemory:
         return total
 
     def view(self, slot: int) -> memoryview:
-        return memoryview(self._arrs[slot])[:self.slot_bytes(slot)]
+        return self._arrs[slot].data[:self.slot_bytes(slot)]
 
     def _register(self, slot: int, faulted_bytes: int) -> ev.MR:
         n = self.slot_bytes(slot)
@@ -151,7 +161,7 @@ class SlotMemory:
         """Before the rkey is granted: every WRITE under it is seen; never again for a slot whose MR was
         revoked with a WRITE still being placed (that WRITE may change bytes after they are digested)."""
         self.landed[slot] = None
-        if self.track is not None and slot not in self._untracked:
+        if self.track is not None and slot not in self._untracked and isinstance(mr, PlacesWrites):
             self.landed[slot] = mr.track_writes(self.offer.offset_in_slot(0), BLOCK_BYTES, self.track)
 
     def revoke(self, slot: int) -> None:
@@ -162,7 +172,7 @@ class SlotMemory:
         mr = self.mrs[slot]
         if mr is None or slot in self._keyless:
             return
-        if not mr.closed and mr.revoke_remote() and not getattr(mr, "placing_after_close", False):
+        if not mr.closed and mr.revoke_remote() and not _placing_after_close(mr):
             self._keyless.add(slot)
         else:  # (a WRITE still being placed past the bound stays with that MR: the next grant registers anew)
             self._close(slot)
@@ -172,7 +182,7 @@ class SlotMemory:
         self._keyless.discard(slot)
         if mr is not None:
             mr.close()
-            if getattr(mr, "placing_after_close", False):
+            if _placing_after_close(mr):
                 self._untracked.add(slot)
 
     def grant(self, slot: int) -> int:
@@ -253,23 +263,19 @@ def pool_policy(cfg: Any) -> Dict[str, Any]:
             "slot_initial_bytes": initial, "pool_idle_s": cfg.pool_idle_s,
             "idle_bytes_per_peer": cfg.pool_slots * (area + initial) if cfg.mode == "fedrdma-e" else 0,
             "max_bytes_per_peer": cfg.pool_slots * (area + cfg.slot_bytes) if cfg.mode == "fedrdma-e" else 0,
-            "memory_budget_bytes": cfg.budget_bytes, "recv_cache_bytes": cfg.recv_cache_bytes}
+            "memory_budget_bytes": cfg.budget_bytes, "peer_budget_bytes": cfg.peer_budget_bytes,
+            "recv_cache_bytes": cfg.recv_cache_bytes}
 
 
-def pool_report(conns: Iterable[Any], budget: Any, recycled: Any = None) -> Dict[str, Any]:
-    """What the FedRDMA-E receive pools of these connections hold now: per peer and in all, registered
-    (reserved from the memory budget) and resident bytes, and each slot's room and state; with `recycled`
-    (buffers.RecvBuffers), the reassembly and copy buffers kept for reuse."""
+def pool_report(pools: Iterable[Tuple[str, SlotMemory, ReceivePool, Set[int]]], budget: Budget,
+                recycled: Optional[RecvBuffers] = None) -> Dict[str, Any]:
+    """What these FedRDMA-E receive pools hold now (each: its peer, its memory, its grants, the slots the
+    application holds in place): per peer and in all, registered (reserved from the memory budget) and resident
+    bytes, and each slot's room and state; with `recycled`, the reassembly and copy buffers kept for reuse."""
     peers: Dict[str, Any] = {}
-    for c in conns:
-        mem = getattr(c, "mem", None)
-        slots: Optional[SlotMemory] = getattr(mem, "slots", None)
-        rx = getattr(c, "slot_receiver", None)
-        if slots is None or rx is None:
-            continue
-        pool, lent = rx.machine.pool, rx.lent_slots()
+    for peer, slots, pool, lent in pools:
         # "lent": held by the application in place (Message.detach), "held": a message not yet released
-        peers[c.peer] = {"reserved_bytes": slots.reserved_bytes, "resident_bytes": slots.resident_bytes(),
+        peers[peer] = {"reserved_bytes": slots.reserved_bytes, "resident_bytes": slots.resident_bytes(),
                          # slots whose grants are memory windows (pyverbs, EASYPYVERBS_MEMORY_WINDOWS=on)
                          "windowed_slots": sum(m is not None and m.windowed for m in slots.mrs),
                          "slots": [{"payload_bytes": pool.capacity[i], "state": "lent" if i in lent else pool.state[i].value}
@@ -287,14 +293,16 @@ def describe(policy: Dict[str, Any], live: Optional[Dict[str, Any]] = None) -> L
     mib = 1 << 20
     if policy["mode"] != "fedrdma-e":
         lines = [f"receive memory: mode {policy['mode']} (staging and reassembly buffers), "
-                 f"budget {policy['memory_budget_bytes'] / mib:.0f} MiB"]
+                 f"budget {policy['memory_budget_bytes'] / mib:.0f} MiB, one peer at most "
+                 f"{policy['peer_budget_bytes'] / mib:.0f} MiB of it"]
     else:
         idle = f"after {policy['pool_idle_s']:g} s idle" if policy["pool_idle_s"] else "never (pool_idle_s: 0)"
         lines = [f"FedRDMA-E receive pool per peer: {policy['pool_slots']} slots; "
                  f"{policy['idle_bytes_per_peer'] / mib:.1f} MiB at connect and when idle, up to "
                  f"{policy['max_bytes_per_peer'] / mib:.1f} MiB under load (slot_bytes "
                  f"{policy['slot_bytes'] / mib:.1f} MiB); shrinks {idle}; all peers together within the "
-                 f"memory budget of {policy['memory_budget_bytes'] / mib:.0f} MiB"]
+                 f"memory budget of {policy['memory_budget_bytes'] / mib:.0f} MiB, one peer within "
+                 f"{policy['peer_budget_bytes'] / mib:.0f} MiB of it"]
     idle = f"{policy['pool_idle_s']:g} s" if policy["pool_idle_s"] else "never (pool_idle_s: 0)"
     lines.append(f"reassembly and small-message copy buffers: kept for reuse up to "
                  f"{policy['recv_cache_bytes'] / mib:.0f} MiB (recv_cache_bytes), let go of once unused for {idle}; "

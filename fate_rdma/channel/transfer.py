@@ -9,6 +9,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from numpy.typing import NDArray
 
 import easypyverbs as ev
 
@@ -74,7 +75,7 @@ class Fill:
         if self.ready_from:
             self._move(self.ready_from, exc)
 
-    def run(self, dest: np.ndarray, sources: Sequence[Any], block_bytes: int) -> None:
+    def run(self, dest: NDArray[Any], sources: Sequence[Any], block_bytes: int) -> None:
         """Copy `sources`, one after another, into `dest` (numpy's copy, without the GIL), back to front
         in blocks of `block_bytes` (the checksum's blocks), advancing after each; on any error the fill
         fails (its transfers fail, none hangs) and the error is raised."""
@@ -92,7 +93,7 @@ class Fill:
                     copy_into(dest, pos, p)
                     pos += p.nbytes
                 if self.digest is not None:
-                    self.digests[i] = self.digest[1](i, memoryview(dest[lo:pos]))
+                    self.digests[i] = self.digest[1](i, dest[lo:pos].data)
                 self.advance(lo)
         except BaseException as exc:
             self.fail(exc)
@@ -169,7 +170,7 @@ class Payload:
         self.mrs = []
 
 
-class TransferFuture(concurrent.futures.Future):
+class TransferFuture(concurrent.futures.Future[Dict[str, Any]]):
     """An outgoing transfer: `result(timeout)`, `cancel()`, `add_done_callback`, progress in bytes."""
 
     def __init__(self, transfer_id: int, total_bytes: int, canceller: Callable[["TransferFuture"], None]) -> None:
@@ -187,7 +188,8 @@ class TransferFuture(concurrent.futures.Future):
         """fn(progress_bytes, total_bytes), called as chunks complete (from the connection's engine thread, a user's thread that took a turn, or a soft NIC's thread)."""
         self._progress_cbs.append(fn)
 
-    def _progress(self, nbytes: int) -> None:
+    def report_progress(self, nbytes: int) -> None:
+        """The channel's word that `nbytes` are through: the progress callbacks learn it."""
         self.progress_bytes = nbytes
         for fn in self._progress_cbs:
             fn(nbytes, self.total_bytes)
@@ -210,7 +212,7 @@ class Message:
     """
 
     def __init__(self, peer: str, transfer_id: int, metadata: Dict[str, Any], view: memoryview, mode: str,
-                 releaser: Optional[Callable[[], None]] = None, alloc: Optional[Callable[[int], Any]] = None,
+                 releaser: Optional[Callable[[], None]] = None, alloc: Optional[Callable[[int], NDArray[Any]]] = None,
                  lend: Optional[Callable[[], bool]] = None) -> None:
         self.peer = peer
         self.transfer_id = transfer_id
@@ -247,16 +249,17 @@ class Message:
                 self._releaser = None
         if fn is not None:
             slot, self._slot, self.view, self.lent = self._slot, None, memoryview(b""), True
+            assert slot is not None, "a message that lends its slot has one"
             anchor = np.frombuffer(slot, dtype=np.uint8)  # its base is `slot`: every derived object holds it
             del view, slot
             weakref.finalize(anchor, fn).atexit = False  # (at exit the connection is gone with it)
-            return memoryview(anchor)
+            return anchor.data
         if self._releaser is not None:
             if copy_up_to is not None and view.nbytes > copy_up_to:
                 return None
             buf = self._alloc(view.nbytes) if self._alloc is not None else np.empty(view.nbytes, dtype=np.uint8)
             copy_into(buf, 0, view)  # without the GIL: gigabytes into fresh memory take seconds
-            view = memoryview(buf).cast("B")
+            view = buf.data.cast("B")
         self.release()
         return view
 

@@ -9,33 +9,48 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.metadata
 import logging
 import signal
 import sys
 import threading
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-SUBCOMMANDS = {
+#: the commands a site runs; each module offers add_arguments(parser) and run(args) -> exit code
+SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "doctor": ("fate_rdma.cli.doctor", "explain what this machine offers: providers, RDMA devices, ports, GIDs"),
-    "demo": ("fate_rdma.cli.demo", "the main job: GPT-2 LoRA FedAvg with FATE-LLM over fate-rdma, FATE's own path "
-             "against fate-rdma, then a GPT-2-sized transfer, each verified"),
-    "bench": ("fate_rdma.cli.bench", "benchmarks that print figures (JSON lines + table): verbs, transfer, latency, "
-              "fate, timeline, regrant"),
     "hook": ("fate_rdma.cli.hook", "install the start-up hook that switches fate-rdma on in FATE task processes"),
     "launch": ("fate_rdma.cli.launch", "run a FATE launcher script with fate-rdma switched on"),
     "flow": ("fate_rdma.cli.flow", "fate-flow jobs: once-per-site setup/remove/check of dag.conf.extra.fate_rdma"),
     "secret": ("fate_rdma.cli.secret", "write a fresh federation secret for peer authentication (secret_file)"),
     "tls": ("fate_rdma.cli.tls", "make a federation CA and each party's TLS certificate and key (tls: true)"),
-    "vm": ("fate_rdma.cli.vm", "run a command in a qemu VM with a Soft-RoCE (rxe0) RDMA device: real verbs, no NIC"),
-    "eval": ("fate_rdma.cli.eval", "evaluation on the WAN testbed: link studies, FATE's own path, stress, fairness, system cost (JSONL, table, plot)"),
-    "wan": ("fate_rdma.cli.wan", "a WAN testbed with real packets: sites as namespaces, shaped links (up/down/status/check)"),
-    "sweep": ("fate_rdma.cli.sweep", "LoRA rank sweep with real GPT-2 FedAvg training: loss, compute, communication per rank"),
+    "site": ("fate_rdma.cli.site", "a site's pieces from the federation's description (init); its peers reached "
+                                   "and proven before any job (check)"),
+    "exporter": ("fate_rdma.cli.exporter", "serve this site's fate-rdma metrics (metrics_dir) to Prometheus"),
+    "top": ("fate_rdma.cli.top", "transfers per peer now, from the site's exporter: rates, bytes, errors"),
 }
 
+#: entry-point group through which other distributions add subcommands (the lab adds bench, demo, eval,
+#: sweep, vm, wan). Each entry point names a module with HELP, add_arguments, run and, optionally,
+#: STOPS_ITS_CHILDREN = True for a command that starts process groups of its own (SIGTERM then stops them
+#: as Ctrl-C does, so that what they started is taken down with them instead of outliving a killed parent).
+PLUGIN_GROUP = "fate_rdma.commands"
 
-#: commands that start process groups of their own (FATE jobs, peers, testbeds): SIGTERM stops them as Ctrl-C
-#: does, so that what they started is taken down with them instead of outliving a killed parent
-STOPS_ITS_CHILDREN = {"bench", "demo", "sweep", "eval", "wan"}
+
+def plugin_commands() -> Dict[str, str]:
+    """Subcommands other installed distributions offer: name -> module. Empty without them."""
+    found: Dict[str, str] = {}
+    for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        if ep.name not in SUBCOMMANDS:
+            found[ep.name] = ep.value
+    return dict(sorted(found.items()))
+
+
+def commands() -> Dict[str, str]:
+    """Every subcommand available here: name -> module."""
+    out = {name: mod for name, (mod, _) in SUBCOMMANDS.items()}
+    out.update(plugin_commands())
+    return out
 
 
 @contextlib.contextmanager
@@ -62,13 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fate-rdma",
         description="fate-rdma: model weights between FATE parties over RDMA (or the soft verbs emulation).",
-        epilog="Exit codes: 0 ok, 1 failed, 2 bad usage. Run 'fate-rdma COMMAND --help' for details.",
+        epilog="Exit codes: 0 ok, 1 failed, 2 bad usage, 130 interrupted. Run 'fate-rdma COMMAND --help' for details. "
+               "The lab (bench, demo, eval, sweep, vm, wan) adds its commands when installed (pip install -e ./lab).",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         importlib.import_module(mod).add_arguments(sp)
+    for name, mod in plugin_commands().items():
+        m = importlib.import_module(mod)
+        sp = sub.add_parser(name, help=m.HELP, description=m.HELP)
+        m.add_arguments(sp)
     return p
 
 
@@ -80,8 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    if args.command not in STOPS_ITS_CHILDREN:
+    module = importlib.import_module(commands()[args.command])
+    if not getattr(module, "STOPS_ITS_CHILDREN", False):
         return int(module.run(args) or 0)
     try:
         with sigterm_as_interrupt():

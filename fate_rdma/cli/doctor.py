@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if cfg.mode == "fedrdma-e":
         lines.insert(1, "  what a running endpoint's pools hold: logged when it closes (a FATE task's log), "
                         "Endpoint.pool_report() in code")
+    from ..channel.posture import posture
+
+    rep["security"] = [{"level": lvl, "what": line} for lvl, line in posture(cfg)]
+    lines += ["security of this configuration (docs/security.md):"] + \
+        [f"  {'WARNING: ' if lvl == 'warning' else ''}{line}" for lvl, line in posture(cfg)]
     from ..hugepages import check as huge_pages
 
     rep["malloc_huge_pages"] = huge_pages()[1]  # (measured where asked for; the warning where not got)

@@ -31,5 +31,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"hook {'installed at ' + path if os.path.exists(path) else 'not installed'}")
         conf = os.environ.get("FATE_RDMA_CONF")
-        print(f"FATE_RDMA_CONF={conf}" if conf else "FATE_RDMA_CONF not set (a fate-flow task conf may still carry a fate_rdma section)")
+        print(f"FATE_RDMA_CONF={conf}" if conf
+              else "FATE_RDMA_CONF not set (a fate-flow task conf may still carry a fate_rdma section)")
     return 0

@@ -44,7 +44,8 @@ a missing or invalid --conf, a missing script or a missing hook."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument("--conf", required=True, help="YAML/JSON file with a fate_rdma section (see conf/fate_rdma_launcher.yaml)")
+    p.add_argument("--conf", required=True,
+                   help="YAML/JSON file with a fate_rdma section (see conf/fate_rdma_launcher.yaml)")
     p.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
                    help="auto (default): start the party processes with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 where "
                         "the kernel and glibc allow it, so the arrays FATE allocates with malloc sit in huge pages, "
@@ -56,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
+    from ..federation.flow import apply_site_policy
     from ..federation.config import RdmaFederationConfig, load_section
 
     if not os.path.isfile(args.conf):
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         if section is None:
             print(f"fate-rdma launch: {args.conf} has no fate_rdma section", file=sys.stderr)
             return 2
-        cfg = RdmaFederationConfig.from_section(section)  # fail early on a bad configuration
+        # fail early on a bad configuration, or one the site's policy refuses (the parties apply it again)
+        cfg = RdmaFederationConfig.from_section(apply_site_policy(section, f"{args.conf} (fate_rdma)"))
     except ConfigError as exc:
         print(f"fate-rdma launch: {args.conf}: {exc}", file=sys.stderr)
         return 2
@@ -116,5 +119,7 @@ def _with_job_secret(section: Dict[str, Any]) -> Tuple[str, str]:
     write_secret(secret)
     conf = os.path.join(folder, "fate_rdma.json")
     with open(conf, "w") as f:
-        json.dump({"fate_rdma": dict(section, secret_file=secret, auth="hmac")}, f)
+        # (every party of the job on this machine, the secret its own: shared_secret_only covers a listen_host
+        # off loopback, whose members are this job's parties only)
+        json.dump({"fate_rdma": dict(section, secret_file=secret, auth="hmac", shared_secret_only=True)}, f)
     return conf, folder

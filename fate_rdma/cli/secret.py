@@ -20,8 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from ..channel.auth import load_secret, write_secret
 
     if os.path.exists(args.file) and not args.force:
-        print(f"fate-rdma secret: {args.file} exists; pass --force to replace it (every site must then get the new one)",
-              file=sys.stderr)
+        print(f"fate-rdma secret: {args.file} exists; pass --force to replace it (every site must then get the new "
+              f"one)", file=sys.stderr)
         return 2
     write_secret(args.file)
     load_secret(args.file)  # check it as an endpoint will read it

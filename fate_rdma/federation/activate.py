@@ -4,7 +4,9 @@ Configuration comes from, in order: `install(section)` called explicitly; a `fat
 the task configuration FATE parsed (captured by the import hook); for a task started by fate-flow,
 its job's `dag.conf.extra.fate_rdma` merged with the site file (see flow.py); the
 FATE_RDMA_CONF environment variable (a YAML/JSON file with a `fate_rdma` section, or inline JSON;
-the multiprocess launcher's children inherit it). With none of them, FATE is left untouched.
+the multiprocess launcher's children inherit it). With none of them, FATE is left untouched. Where this
+machine has a site file, a section from the first, second or last source runs under the site's policy
+(site_policy.py), as a fate-flow job's does.
 """
 from __future__ import annotations
 
@@ -50,11 +52,18 @@ def wrap(fed: Any, computing: Any) -> Any:
     section = current_section()
     if not section or not section.get("enabled", True) or getattr(fed, "fate_rdma", None) is not None:
         return fed
+    from .flow import apply_site_policy
     from .config import RdmaFederationConfig
     from .wrapper import RdmaFederation
 
+    section = apply_site_policy(section, "this job's fate_rdma section")
     RdmaFederation(fed, computing, RdmaFederationConfig.from_section(section))
     return fed
+
+
+def mark(fn: Any) -> None:
+    """Mark `fn` as fate-rdma's replacement of a FATE function (`_fate_rdma`): patching again leaves it be."""
+    fn._fate_rdma = True
 
 
 def patch_builder(builder_cls: Any) -> None:
@@ -68,9 +77,10 @@ def patch_builder(builder_cls: Any) -> None:
             @functools.wraps(orig)
             def build(self: Any, computing_session: Any = None, *args: Any, **kwargs: Any) -> Any:
                 fed = orig(self, computing_session, *args, **kwargs)
-                return wrap(fed, computing_session if computing_session is not None else kwargs.get("computing_session"))
+                computing = computing_session if computing_session is not None else kwargs.get("computing_session")
+                return wrap(fed, computing)
 
-            build._fate_rdma = True  # type: ignore[attr-defined]
+            mark(build)
             return build
 
         setattr(builder_cls, meth, make(orig))
@@ -92,7 +102,7 @@ def capture_task_conf(spec_cls: Any) -> None:
         flow.set_task(flow.task_from_config(obj))
         return orig.__func__(cls, obj)
 
-    parse_obj._fate_rdma = True  # type: ignore[attr-defined]
+    mark(parse_obj)
     spec_cls.parse_obj = classmethod(parse_obj)
 
 
@@ -111,7 +121,7 @@ def patch_serdes(pickler_cls: Any, unpickler_cls: Any) -> None:
                 return push.__func__(cls, value, federation, computing, name, tag, parties, *args, **kwargs)
             federation.push_bytes(v=frame, name=name, tag=tag, parties=parties)
 
-        push_framed._fate_rdma = True  # type: ignore[attr-defined]
+        mark(push_framed)
         pickler_cls.push = classmethod(push_framed)
     pull = unpickler_cls.pull
     if not getattr(pull, "_fate_rdma", False):
@@ -127,7 +137,7 @@ def patch_serdes(pickler_cls: Any, unpickler_cls: Any) -> None:
                     trace.event("got", name=name, tag=tag, src=party_key(party))
             return pull.__func__(cls, buffers, ctx, federation, name, tag, party)
 
-        pull_framed._fate_rdma = True  # type: ignore[attr-defined]
+        mark(pull_framed)
         unpickler_cls.pull = classmethod(pull_framed)
 
 

@@ -4,8 +4,10 @@
       enabled: true
       mode: fedrdma-e            # any ChannelConfig key: chunk_bytes, window, provider, device, ...
       threshold_bytes: 1048576   # pickles at or above this go over the channel (default 1 MiB)
-      fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path, logged once)
-      pull_timeout_s: 600        # descriptors: fate: how long a get() waits for the payload after its descriptor arrived
+      fallback: error            # unreachable peer: "error" (names party and address) or "fate" (FATE's path,
+                                 # logged once)
+      pull_timeout_s: 600        # descriptors: fate: how long a get() waits for the payload after its
+                                 # descriptor arrived
       get_timeout_s: 86400       # descriptors: channel: how long a get() waits for its object, the sender's work
                                  # before its put included (a round of local training); logged every 5 min.
                                  # An object no get took within max(get_timeout_s, pull_timeout_s) of its
@@ -32,31 +34,26 @@ import dataclasses
 import json
 import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..config import ChannelConfig, is_loopback_host
 from ..errors import ConfigError
 
-FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_timeout_s", "put_buffer_bytes", "endpoints",
-            "listen_host", "descriptors", "buffer_puts"}
+FED_KEYS = {"enabled", "threshold_bytes", "fallback", "pull_timeout_s", "get_timeout_s", "put_buffer_bytes",
+            "endpoints", "listen_host", "descriptors", "buffer_puts"}
 
 #: what `buffer_puts: auto` takes a put's copy to cost: a second per GB, about what the copies ran at inside
-#: `bench fate` rounds on the 2-core test machine, three busy parties (36 MiB in 49-55 ms). A copy pays where
-#: it costs less than the round trip a put that waits for its bytes spends on their confirmation (README,
-#: "Buffered puts": on loopback no copy won at every size then, 2026-11-27, but see PUT_COPY_SMALL_BYTES;
-#: over a 20 ms link the copy of LoRA rank 4 and 32 won by 30-40 ms a round and stopped paying from rank 128,
-#: 72 MiB, up)
+#: `bench fate` rounds on a 2-core machine with three busy parties. A copy pays where it costs less than the
+#: round trip a put that waits for its bytes spends on their confirmation (docs/fate.md, "Buffered puts";
+#: over a long link small LoRA uploads gain, the largest stop paying: docs/benchmarks.md)
 PUT_COPY_BYTES_PER_S = 1e9
 #: what `buffer_puts: auto` copies whatever the round trip: a put that waits for its bytes pays, besides the
 #: round trip, a transfer's fixed costs at both ends (framing, the receiver's verdict, thread hand-offs: 2-5 ms
 #: a transfer on the 2-core test machine) and the sending of the caller's many separate arrays, and a party
 #: that puts to several parties in turn (FATE's SecureAggregatorServer, the average to each client) pays them
 #: once per party; copied into one recycled buffer, such puts return at once and their transfers overlap.
-#: Measured there (`bench fate --lora-ranks`, floors alternated, medians; docs/FIGURES.md): a 4 MiB floor
-#: (2026-11-29 morning) took rank 4's rounds to 0.91 x over TCP and 0.93 x on the same host; 16 MiB (rank 8's
-#: and 16's uploads, 4.7 and 9.4 MB, copied too; 2026-11-29 evening) took rank 8's to 0.85 x over TCP and 0.88 x
-#: on the same host and rank 16's to 0.84 x and 0.78 x, rank 32 (18.9 MB uploads, not copied) unchanged;
-#: 32 MiB gained nothing more over TCP
+#: 16 MiB copies the uploads of LoRA ranks up to 16 of GPT-2 small, which shortened their rounds; a 32 MiB
+#: floor gained nothing more (`bench fate --lora-ranks`, docs/benchmarks.md)
 PUT_COPY_SMALL_BYTES = 16 << 20
 
 
@@ -64,7 +61,8 @@ PUT_COPY_SMALL_BYTES = 16 << 20
 MAX_WAIT_S = min(365 * 86400.0, threading.TIMEOUT_MAX)
 
 
-def party_key(party: Tuple[str, str]) -> str:
+def party_key(party: Sequence[str]) -> str:
+    """A party (role, party_id), as FATE gives it (a tuple or a list), as the key of `endpoints`: 'role:party_id'."""
     return f"{party[0]}:{party[1]}"
 
 
@@ -110,7 +108,8 @@ class RdmaFederationConfig:
                               "the channel alone): set fallback: error, or descriptors: fate")
         if self.threshold_bytes < 1:
             raise ConfigError("fate_rdma.threshold_bytes must be positive")
-        if isinstance(self.put_buffer_bytes, bool) or not isinstance(self.put_buffer_bytes, int) or self.put_buffer_bytes < 0:
+        if isinstance(self.put_buffer_bytes, bool) or not isinstance(self.put_buffer_bytes, int) \
+                or self.put_buffer_bytes < 0:
             raise ConfigError(f"fate_rdma.put_buffer_bytes must be a byte count >= 0, got {self.put_buffer_bytes!r}")
         if not (isinstance(self.buffer_puts, bool) or self.buffer_puts == "auto"):
             raise ConfigError(f"fate_rdma.buffer_puts must be true, false or 'auto', got {self.buffer_puts!r}")
@@ -156,10 +155,11 @@ class RdmaFederationConfig:
             return nbytes <= max(PUT_COPY_SMALL_BYTES, rtt_s * PUT_COPY_BYTES_PER_S)
         return bool(self.buffer_puts)
 
-    def address_of(self, party: Tuple[str, str]) -> str:
+    def address_of(self, party: Sequence[str]) -> str:
         key = party_key(party)
         if key not in self.endpoints:
-            raise ConfigError(f"fate_rdma.endpoints has no entry for party {key}; known: {', '.join(sorted(self.endpoints))}")
+            raise ConfigError(f"fate_rdma.endpoints has no entry for party {key}; known: "
+                              f"{', '.join(sorted(self.endpoints))}")
         return self.endpoints[key]
 
     @classmethod
@@ -205,7 +205,8 @@ def section_in(doc: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The `fate_rdma` section of a configuration mapping (see load_section), or None."""
     if "fate_rdma" in doc:
         return doc["fate_rdma"]
-    for holder in (doc, doc.get("dag") if isinstance(doc.get("dag"), dict) else {}):  # task conf, fate-flow DAG
+    dag = doc.get("dag")
+    for holder in (doc, dag if isinstance(dag, dict) else {}):  # task conf, fate-flow DAG
         conf = holder.get("conf") if isinstance(holder.get("conf"), dict) else None
         if conf and "fate_rdma" in conf:
             return conf["fate_rdma"]

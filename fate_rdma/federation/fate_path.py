@@ -3,10 +3,10 @@ reach): the bytes FATE's serializer makes of it, pushed as FATE pushes them."""
 from __future__ import annotations
 
 import io
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Sequence
 
 
-def serialize(fed: Any, value: Any, name: str, tag: str, parties: List[Tuple[str, str]]) -> bytes:
+def serialize(fed: Any, value: Any, name: str, tag: str, parties: Sequence[Sequence[str]]) -> bytes:
     """What FATE's own serializer makes of `value` (a frame that must take FATE's path after all)."""
     from fate.arch.federation.api._serdes import TableRemotePersistentPickler, _FederationBytesCoder
 
@@ -16,7 +16,7 @@ def serialize(fed: Any, value: Any, name: str, tag: str, parties: List[Tuple[str
 
 
 def push(fed: Any, computing: Any, orig_push: Callable[..., Any], max_bytes: int, tables: List[Any], v: bytes,
-         name: str, tag: str, parties: List[Tuple[str, str]]) -> None:
+         name: str, tag: str, parties: Sequence[Sequence[str]]) -> None:
     """`v` through FATE's own push (`orig_push`), sliced exactly as FATE slices pickles above its max message
     size (`max_bytes`); the slice tables are appended to `tables`, to be kept until the job ends."""
     # FATE's standalone store takes an object of any size in one piece; its slice-table path raced

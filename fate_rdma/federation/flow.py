@@ -17,7 +17,9 @@ What is per job (the section) and what is per site (the site file, written once 
 ...) and enabled, threshold_bytes, fallback, pull_timeout_s, get_timeout_s, put_buffer_bytes, buffer_puts; the
 site file carries `endpoints` (this site's parties and its peers), `listen_host`, `provider`, `device`, optionally
 `flow_address`, the security keys (`secret_file`, `auth`, `tls`, `tls_cert`, `tls_key`, `tls_ca`: a job
-can neither point at other credentials nor switch them off) and channel defaults. A site key in the section is an error.
+can neither point at other credentials nor switch them off) and channel defaults. A site key in the section is an
+error, and so is a section that loosens the site's checksum, same_host or memory bounds (site_policy.py): that one
+fails the task even under `fallback: fate`.
 """
 from __future__ import annotations
 
@@ -29,15 +31,15 @@ import os
 import sys
 import urllib.parse
 import urllib.request
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from ..errors import ConfigError, FateRdmaError
+from . import site_policy
+from .site_policy import SITE_ONLY_KEYS
 
 log = logging.getLogger("fate_rdma.federation")
 
 SITE_ENV = "FATE_RDMA_SITE"
-SITE_ONLY_KEYS = ("endpoints", "listen_host", "provider", "device", "flow_address", "secret_file", "auth", "tls",
-                  "tls_cert", "tls_key", "tls_ca")
 #: the job query is local (this party's own fate-flow); 10 s covers a busy server on a small machine
 FLOW_QUERY_TIMEOUT_S = 10.0
 SETUP_HINT = "fate-rdma flow setup --endpoint ROLE:PARTY_ID=HOST:PORT ... (once per site)"
@@ -53,6 +55,17 @@ class FlowRouteError(ConfigError):
 def default_site_path() -> str:
     """The site file of this Python environment (FATE_RDMA_SITE in fate-flow's environment overrides)."""
     return os.environ.get(SITE_ENV) or os.path.join(sys.prefix, "etc", "fate_rdma", "site.yaml")
+
+
+def apply_site_policy(job: Mapping[str, Any], where: str, path: Optional[str] = None) -> Dict[str, Any]:
+    """`job` (a launcher job's whole `fate_rdma` section) under the site file's policy where this machine has a
+    site file (`path`, default default_site_path()); `job` itself where it has none."""
+    if not isinstance(job, dict):
+        raise ConfigError(f"fate_rdma section must be a mapping, got {type(job).__name__}")
+    path = path or default_site_path()
+    if not os.path.exists(path):
+        return dict(job)
+    return site_policy.merge(load_site(path), job, where, path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,16 +193,15 @@ def wrap_flow_task(fed: Any, computing: Any, task: FlowTask) -> bool:
             log.info("fate-rdma: off for %s (dag.conf.extra.fate_rdma.enabled: false); engine %s carries everything",
                      task.label, engine)
             return True
-        site = load_site(site_path)
-        merged = {k: v for k, v in site.items() if k != "flow_address"}
-        merged.update(sec)
+        # a section that loosens the site's policy is a ConfigError, not a FlowRouteError: no fallback takes it
+        merged = site_policy.merge(load_site(site_path), sec, f"{task.label}: dag.conf.extra.fate_rdma", site_path)
         from .config import RdmaFederationConfig, party_key
 
         try:
             cfg = RdmaFederationConfig.from_section(merged)
         except (ConfigError, TypeError, ValueError) as exc:
-            raise FlowRouteError(f"the site file {site_path} with this job's section is not a valid configuration: {exc}",
-                                 f"correct the site file (`{SETUP_HINT}` writes it)") from exc
+            raise FlowRouteError(f"the site file {site_path} with this job's section is not a valid configuration: "
+                                 f"{exc}", f"correct the site file (`{SETUP_HINT}` writes it)") from exc
         me = party_key(tuple(fed.local_party))
         if me not in cfg.endpoints:
             raise FlowRouteError(f"this party ({me}) has no endpoint in the site file {site_path} "
@@ -198,8 +210,10 @@ def wrap_flow_task(fed: Any, computing: Any, task: FlowTask) -> bool:
         missing = [party_key(tuple(p)) for p in getattr(fed, "parties", []) or []
                    if party_key(tuple(p)) not in cfg.endpoints]
         if missing:
-            raise FlowRouteError(f"the site file {site_path} has no endpoint for the job's parties {', '.join(missing)}",
-                                 "add each peer's address with `fate-rdma flow setup --endpoint ROLE:PARTY_ID=HOST:PORT`")
+            raise FlowRouteError(f"the site file {site_path} has no endpoint for the job's parties "
+                                 f"{', '.join(missing)}",
+                                 "add each peer's address with "
+                                 "`fate-rdma flow setup --endpoint ROLE:PARTY_ID=HOST:PORT`")
         from .wrapper import RdmaFederation
 
         try:
@@ -213,7 +227,8 @@ def wrap_flow_task(fed: Any, computing: Any, task: FlowTask) -> bool:
                         task.label, engine, exc)
             return True
         raise FlowRouteError(f"fate-rdma: {task.label} asked for fate-rdma (dag.conf.extra.fate_rdma) and cannot have "
-                             f"it: {exc} (or set `fallback: fate` in the section to run on FATE's own federation)") from exc
+                             f"it: {exc} (or set `fallback: fate` in the section to run on FATE's own "
+                             f"federation)") from exc
     emulated = getattr(getattr(rdma.endpoint, "ctx", None), "emulated", None)
     kind = "EMULATED verbs, not RDMA" if emulated else "RDMA"
     log.info("fate-rdma: ON for %s: engine %s, provider %s [%s], mode %s, endpoint %s, %s", task.label, engine,
@@ -228,9 +243,17 @@ def _report(rdma: Any, task: FlowTask) -> None:
     """At the end of the task: what crossed the channel, in the task log; then close the endpoint."""
     s = rdma.stats
     log.info("fate-rdma: counters for %s: rdma_transfers=%d rdma_bytes=%d fate_fallbacks=%d rdma_seconds=%.3f "
-             "small_transfers=%d holds=%d (longest %.1f s)", task.label, s["rdma_transfers"], s["rdma_bytes"],
-             s["fate_fallbacks"], s["rdma_seconds"], s["small_transfers"], rdma.endpoint.holds,
-             rdma.endpoint.longest_hold_s)
+             "small_transfers=%d holds=%d (longest %.1f s); over the channel in all (small objects too, under "
+             "descriptors: channel): channel_transfers=%d channel_bytes=%d", task.label, s["rdma_transfers"],
+             s["rdma_bytes"], s["fate_fallbacks"], s["rdma_seconds"], s["small_transfers"], rdma.endpoint.holds,
+             rdma.endpoint.longest_hold_s, s["rdma_transfers"] + s["small_transfers"],
+             s["rdma_bytes"] + s["small_bytes"])
+    if s["rdma_transfers"] + s["small_transfers"] == 0 and s["below_threshold"]:
+        log.warning("fate-rdma: nothing of %s crossed the channel: its %d object(s) were all under "
+                    "threshold_bytes (%d) and took FATE's federation. Lower threshold_bytes in the job's section "
+                    "(small LoRA adapters), or give the sites a secret or certificates (descriptors: channel then "
+                    "carries every object)",
+                    task.label, s["below_threshold"], rdma.threshold)
     try:
         rdma.close()
     except Exception:  # the process is ending; the counters are what matters

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -31,6 +32,7 @@ ALIGN = 64
 _HDR = struct.Struct("<8sQ")
 _PID = "fate-rdma/array"
 _KINDS = set("biufc")  # bool, signed, unsigned, float, complex
+_MAX_DIMS = 32  # (numpy 1.x allows 32 dimensions, 2.x 64)
 #: built-in types pickled as they are (never arrays, tensors or FATE objects)
 _PLAIN = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes})
 
@@ -149,10 +151,18 @@ class InFrame:
         return self.view.nbytes
 
 
-def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
-    """The object of `frame`; `unpickler_cls(*unpickler_args, f)` is FATE's restricted unpickler."""
-    from ..errors import IntegrityError
+#: what unpickling a peer's structure pickle raises on bytes that are not one, or that name what they may not:
+#: the pickle machine's own errors (UnicodeDecodeError is a ValueError), FATE's allow-list refusing a class
+#: (ValueError), an allowed class or reducer given arguments it does not take (TypeError, ValueError,
+#: AttributeError, IndexError, KeyError, OverflowError), and MemoryError: a BINBYTES8 or BYTEARRAY8 opcode's
+#: claimed length is allocated before its bytes are read, so 20 bytes can claim exabytes
+_UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
+                    KeyError, OverflowError, RecursionError, MemoryError)
 
+
+def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
+    """The object of `frame`; `unpickler_cls(*unpickler_args, f)` is FATE's restricted unpickler. A frame that is
+    not one of ours, or whose structure pickle does not load, is an IntegrityError naming why."""
     view = frame.view
     try:
         magic, hlen = _HDR.unpack_from(view, 0)
@@ -169,6 +179,9 @@ def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
     u.frame = (view, offsets, limit)
     try:
         return u.load()
+    except _UNPICKLE_ERRORS as exc:
+        raise IntegrityError(f"fate-rdma: array frame's structure ({hlen} bytes of pickle) does not load: "
+                             f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     finally:
         u.frame = None
 
@@ -184,7 +197,7 @@ def _unpickler(base: Any) -> Any:
     garbage collection, and the next round's payload landed in fresh memory instead of that buffer."""
     cls = _UNPICKLERS.get(base)
     if cls is None:
-        class _FrameUnpickler(base):  # type: ignore[misc, valid-type]
+        class _FrameUnpickler(base):
             frame: Optional[Tuple[memoryview, List[int], int]] = None
 
             def persistent_load(self, pid: Any) -> Any:
@@ -200,9 +213,13 @@ def _dtype(name: str) -> np.dtype:
     """The numpy dtype a frame names (`dtype.str`, e.g. '<f8'), if a frame may carry it."""
     dt = _DTYPES.get(name) if type(name) is str else None
     if dt is None:
+        # only a dtype's `str` ('<f8', '|b1', '<M8[ns]'): numpy parses other strings itself (comma lists through
+        # ast.literal_eval), which a peer's bytes must not reach
+        if type(name) is not str or not _DTYPE_STR.match(name):
+            raise IntegrityError(f"fate-rdma: array frame names dtype {str(name)[:80]!r}, not a dtype's str")
         try:
-            dt = np.dtype(name if type(name) is str else repr(name))  # (a forged non-string: not a dtype)
-        except (TypeError, ValueError) as exc:
+            dt = np.dtype(name)
+        except Exception as exc:  # (TypeError, ValueError: a kind numpy does not know)
             raise IntegrityError(f"fate-rdma: array frame names dtype {name!r}: {exc}") from exc
         if dt.kind not in _KINDS:
             raise IntegrityError(f"fate-rdma: array frame names dtype {dt}")
@@ -211,6 +228,8 @@ def _dtype(name: str) -> np.dtype:
     return dt
 
 
+#: what a dtype's `str` looks like: byte order, kind, size, a datetime's unit
+_DTYPE_STR = re.compile(r"^[<>|=][a-zA-Z][0-9]{1,4}(\[[0-9]{0,3}[a-zA-Z]{1,3}\])?$")
 #: dtypes seen in frames, by their `str`: np.dtype(name) once, not for every array of every frame
 _DTYPES: Dict[str, np.dtype] = {}
 
@@ -218,8 +237,9 @@ _DTYPES: Dict[str, np.dtype] = {}
 def _array(view: memoryview, offsets: List[int], limit: int, idx: int, dtype: str, shape: Tuple[int, ...],
            kind: str) -> Any:
     dt = _dtype(dtype)
-    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        raise IntegrityError(f"fate-rdma: array frame names shape {shape!r}")
+    if not isinstance(shape, tuple) or len(shape) > _MAX_DIMS or not all(type(d) is int and 0 <= d < 1 << 63
+                                                                          for d in shape):
+        raise IntegrityError(f"fate-rdma: array frame names shape {str(shape)[:200]}")
     if type(idx) is not int or not (kind == "np" or (type(kind) is str and kind.startswith("torch:"))):
         raise IntegrityError(f"fate-rdma: array frame names array {idx!r} of kind {kind!r}")
     count = math.prod(shape)
@@ -228,7 +248,14 @@ def _array(view: memoryview, offsets: List[int], limit: int, idx: int, dtype: st
     arr = np.frombuffer(view, dtype=dt, count=count, offset=offsets[idx]).reshape(shape)
     if kind == "np":
         return arr
-    import torch
-
-    t = torch.from_numpy(arr)
+    if kind == "torch:bfloat16" and dt != np.int16:  # (sent as int16: numpy has no bfloat16)
+        raise IntegrityError(f"fate-rdma: array frame names a bfloat16 tensor of dtype {dt}")
+    try:
+        import torch
+    except ImportError as exc:
+        raise IntegrityError("fate-rdma: array frame holds a torch tensor, and torch is not installed here") from exc
+    try:
+        t = torch.from_numpy(arr)
+    except (TypeError, ValueError) as exc:  # (a dtype torch lacks, or a byte order not this host's)
+        raise IntegrityError(f"fate-rdma: array frame names a torch tensor of dtype {dt}: {exc}") from exc
     return t.view(torch.bfloat16) if kind == "torch:bfloat16" else t

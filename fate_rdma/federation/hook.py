@@ -46,7 +46,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        loader, after = spec.loader, _TARGETS[name]
+        loader: Any = spec.loader  # (its exec_module is replaced below)
+        after = _TARGETS[name]
         orig_exec = loader.exec_module
 
         def exec_module(module: Any) -> None:
@@ -56,7 +57,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             except Exception as exc:  # never break FATE's import
                 sys.stderr.write(f"fate-rdma: hook for {name} failed: {exc}\n")
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        loader.exec_module = exec_module
         return spec
 
 

@@ -40,7 +40,7 @@ def _enabled() -> bool:
         section = current_section()
     except Exception:
         return True
-    return bool(section) and bool(section.get("enabled", True))
+    return bool(section and section.get("enabled", True))
 
 
 def exit_status(code: int) -> str:
@@ -135,5 +135,7 @@ def patch_launcher(launcher_cls: Any) -> None:
     def wait(self: Any) -> int:
         return watched_wait(self) if _enabled() else orig_wait(self)
 
-    wait._fate_rdma = True  # type: ignore[attr-defined]
+    from .activate import mark
+
+    mark(wait)
     launcher_cls.__init__, launcher_cls.wait = __init__, wait

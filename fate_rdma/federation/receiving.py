@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from .. import trace
 from ..channel.buffers import GIL_COPY_BYTES
 from ..errors import ConfigError, TransferTimeout
 from .config import party_key
+
+if TYPE_CHECKING:
+    from ..channel import Endpoint
+    from ..channel.buffers import RecvBuffers
+    from .config import RdmaFederationConfig
+    from .store import Store
 
 log = logging.getLogger("fate_rdma.federation")
 
@@ -30,6 +36,17 @@ class Receiving:
     """RdmaFederation's receive side (a mixin: the state is the wrapper's)."""
 
     _lent_lock = threading.Lock()  # (stats["lent_bytes"] is counted from several threads)
+    # the wrapper's state this side uses (set in RdmaFederation.__init__)
+    fed: Any
+    cfg: RdmaFederationConfig
+    local: Tuple[str, ...]
+    announce: bool
+    endpoint: Endpoint
+    stats: Dict[str, float]
+    put_copies: RecvBuffers
+    _party_at: Dict[str, str]
+    _store: Store
+    _stop: bool
 
     def _take_inline(self, msg: Any) -> bool:
         """Endpoint.on_message: store `msg` now (True) unless that needs a copy of more than INLINE_COPY_BYTES

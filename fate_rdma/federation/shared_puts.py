@@ -8,8 +8,9 @@ when its bytes are still the same: the XXH3 leaves of the arrays now (one parall
 memory) must equal the leaves the copy took of each of its blocks while it was made (transfer.Fill.digests).
 A put of arrays changed in between (a leaf differs) gets a copy of its own, as before.
 
-Only where the copy's digests are XXH3 (the default checksum): crc32c's 32 bits are too few to vouch that
-a caller's bytes did not change, and blake2b and none take no digests while copying. The copy's room under
+Only where the copy's digests are XXH3 (the copier takes them under xxh3 and under the MACs, blake3 and
+blake2b, which are keyed per connection): crc32c's 32 bits are too few to vouch that a caller's bytes did
+not change, and none takes no digests while copying. The copy's room under
 put_buffer_bytes is given back once the last put that shares it is done; a copy is pinned while a new put
 compares its bytes with it, so the first put's transfers finishing meanwhile do not let it go.
 """
@@ -98,7 +99,7 @@ class SharedCopies:
         try:  # outside the lock: the one pass over the bytes, the first block's first (arrays changed in place
             # since differ there: no need to read the rest)
             first = xxh_leaf(0, blocks(views, BLOCK_BYTES, 1)[0])
-            if any(c.leaves[:len(first)] == first for c in found):
+            if any(c.leaves is not None and c.leaves[:len(first)] == first for c in found):
                 leaves = xxh3_leaves(views, first)
                 match = next((c for c in reversed(found) if c.leaves == leaves), None)
         finally:

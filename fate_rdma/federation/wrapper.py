@@ -4,7 +4,8 @@ ordering, blocking `get`, duplicate-name checks and errors therefore stay FATE's
 
 Descriptor (through FATE): DESC_MAGIC + JSON {"id", "length", "crc32c", "src", "endpoint", "session", "frame"}.
 "crc32c" is null when the channel's own end-to-end checksum already covers the bytes (checksum: xxh3,
-the default, crc32c or blake2b), so the payload is not checksummed twice; with checksum: none the descriptor carries it.
+crc32c, blake3 or blake2b: the default is one of them), so the payload is not checksummed twice; with
+checksum: none the descriptor carries it.
 FATE's own payloads begin with a mode byte 0x00 or 0x01, so the 0xFE magic cannot be mistaken.
 
 With `descriptors: channel` the descriptor's fields ride in the transfer's own metadata instead, every
@@ -20,9 +21,10 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import crc32c
+from easypyverbs.bootstrap import loads_object
 
 from .. import hugepages, trace
 from ..channel import Endpoint
@@ -30,7 +32,7 @@ from ..channel.buffers import RecvBuffers
 from ..channel.checksum import block_digest
 from ..channel.transfer import Fill
 from ..errors import ConfigError, FateRdmaError, IntegrityError, PeerUnreachable
-from ..protocol.integrity import BLOCK_BYTES
+from ..protocol.integrity import BLOCK_BYTES, KEYED
 from . import fate_path, frames
 from .config import RdmaFederationConfig, party_key
 from .receiving import Receiving
@@ -75,9 +77,12 @@ class RdmaFederation(Receiving):
         self._store = Store(keep_s=max(cfg.get_timeout_s, cfg.pull_timeout_s))
         self._warned_fallback: set = set()
         self._fallback_tables: List[Any] = []
-        # rdma_*: payloads at or above threshold_bytes (or array frames); small_transfers: smaller objects that
-        # went over the channel too (descriptors: channel)
-        self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "small_transfers": 0, "fate_fallbacks": 0, "rdma_seconds": 0.0,
+        # rdma_*: payloads at or above threshold_bytes (or array frames); small_*: smaller objects that went over
+        # the channel too (descriptors: channel), which FATE's path carries otherwise; together: what crossed it
+        self.stats = {"rdma_bytes": 0, "rdma_transfers": 0, "small_transfers": 0, "small_bytes": 0,
+                      "below_threshold": 0,  # objects under threshold_bytes that took FATE's path (descriptors: fate)
+                      "fate_fallbacks": 0,
+                      "rdma_seconds": 0.0,
                       # where a put/get spends its time (seconds, summed): see `fate-rdma bench fate`
                       "frame_seconds": 0.0, "send_seconds": 0.0, "descriptor_push_seconds": 0.0,
                       "descriptor_wait_seconds": 0.0, "payload_wait_seconds": 0.0, "unframe_seconds": 0.0,
@@ -123,6 +128,7 @@ class RdmaFederation(Receiving):
         self._raise_deferred()
         framed = isinstance(v, frames.OutFrame)
         if not framed and len(v) < self.threshold and not self.announce:
+            self.stats["below_threshold"] += len(parties)
             return self._orig_push(v=v, name=name, tag=tag, parties=parties)
         t0 = time.perf_counter()
         trace.event("put", name=name, tag=tag, bytes=len(v))
@@ -149,6 +155,7 @@ class RdmaFederation(Receiving):
                     self.stats["rdma_transfers"] += 1
                 else:  # FATE's path would have carried it under descriptors: fate
                     self.stats["small_transfers"] += 1
+                    self.stats["small_bytes"] += len(v)
             elif err is None:  # delivered, or (buffered) under way: the receiver's get waits for it
                 desc = {"id": key, "length": len(v), "crc32c": crc, "src": party_key(self.local),
                         "endpoint": self.endpoint.name, "session": self.fed.session_id, "frame": framed}
@@ -160,7 +167,8 @@ class RdmaFederation(Receiving):
             elif self.cfg.fallback == "fate" and not isinstance(err, ConfigError):
                 if p not in self._warned_fallback:
                     self._warned_fallback.add(p)
-                    log.warning("fate-rdma: party %s unreachable (%s); sending through FATE's own federation", party_key(p), err)
+                    log.warning("fate-rdma: party %s unreachable (%s); sending through FATE's own federation",
+                                party_key(p), err)
                 self.stats["fate_fallbacks"] += 1
                 raw = fate_path.serialize(self.fed, v.value, name, tag, [p]) if framed else v
                 fate_path.push(self.fed, self.computing, self._orig_push, self._orig_max, self._fallback_tables,
@@ -171,15 +179,16 @@ class RdmaFederation(Receiving):
         self.stats["rdma_seconds"] += time.perf_counter() - t0
 
     def _send_all(self, v: Any, bufs: List[Any], held: Optional[List[Any]], fill: Optional[Fill], crc: Optional[int],
-                  framed: bool, name: str, tag: str, parties: List[Tuple[str, str]]) -> List[Tuple[Tuple[str, str], str, Any]]:
+                  framed: bool, name: str, tag: str,
+                  parties: List[Tuple[str, str]]) -> List[Tuple[Tuple[str, ...], str, Any]]:
         """Queue the transfer of `v` to every party, each connected first (so that a buffered put's copy waits for
         no dial), then run a buffered put's copy (`fill`) while its first chunks go. (party, payload id, future
         or the error that kept it from starting) per party. Whatever raises on the way fails the copy's queued
         transfers at once (none waits for a copy that will not come) and gives the put's room back."""
-        sends: List[Tuple[Tuple[str, str], str, Any]] = []
+        sends: List[Tuple[Tuple[str, ...], str, Any]] = []
         tracked = False
         try:
-            addrs: Dict[Tuple[str, str], Any] = {}
+            addrs: Dict[Tuple[str, ...], Any] = {}
             for p in parties:
                 try:
                     addrs[tuple(p)] = self.cfg.address_of(tuple(p))
@@ -206,7 +215,8 @@ class RdmaFederation(Receiving):
                     self._shared.hold(bufs, copy, fill)  # before any of its transfers can finish
                 self._track(held, live, len(v), name, fill)
                 tracked = True
-                if fresh_copy and live:  # the copy, while its first chunks go (each once its bytes are final)
+                # the copy, while its first chunks go (each once its bytes are final)
+                if fill is not None and fresh_copy and live:
                     t1 = time.perf_counter()
                     fill.run(copy, bufs, BLOCK_BYTES)
                     self.stats["put_copy_seconds"] += time.perf_counter() - t1
@@ -252,7 +262,11 @@ class RdmaFederation(Receiving):
                 self._inflight_bytes -= nbytes
             raise
         self.stats["buffered_puts"] += 1
-        return [copy], Fill(nbytes, block_digest(self.cfg.channel.checksum))
+        # the copy's block digests: the channel's own where one copy serves every peer (xxh3, crc32c); under a MAC
+        # (keyed per connection) XXH3 all the same, which later puts of the same arrays compare to share the copy
+        # (shared_puts.py); the channel then takes its MAC as usual
+        checksum = self.cfg.channel.checksum
+        return [copy], Fill(nbytes, block_digest("xxh3" if checksum in KEYED else checksum))
 
     def _rtt_s(self, parties: List[Tuple[str, str]]) -> float:
         """The slowest round trip measured to any of `parties` (Endpoint.round_trip_s: nothing is dialed, a party
@@ -274,8 +288,8 @@ class RdmaFederation(Receiving):
         def done(fut: Any) -> None:
             exc = fut.exception() if not fut.cancelled() else FateRdmaError("cancelled")
             if exc is not None and not (fill is not None and fill.error is not None):
-                err = PeerUnreachable(f"fate-rdma: a buffered put of {name!r} (transfer {fut.transfer_id}) failed after "
-                                      f"it returned: {exc}")
+                err = PeerUnreachable(f"fate-rdma: a buffered put of {name!r} (transfer {fut.transfer_id}) failed "
+                                      f"after it returned: {exc}")
                 log.error("%s; this party's next put or get raises it, the receiver's get fails after its "
                           "pull_timeout_s", err)
                 self._deferred = self._deferred or err
@@ -333,17 +347,18 @@ class RdmaFederation(Receiving):
 
     def _resolve(self, raw: bytes, party: Tuple[str, str], name: str) -> bytes:
         try:
-            desc = json.loads(raw)
+            desc = loads_object(raw)  # (a peer's bytes: ValueError too when nested too deep or not an object)
             key, length, crc = desc["id"], int(desc["length"]), desc.get("crc32c")
             crc = None if crc is None else int(crc)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise IntegrityError(f"fate-rdma: malformed descriptor for {name!r} from {party_key(party)}: {exc}") from exc
+            raise IntegrityError(f"fate-rdma: malformed descriptor for {name!r} from {party_key(party)}: "
+                                 f"{exc}") from exc
         t0 = time.perf_counter()
         data = self._store.take(key, self.cfg.pull_timeout_s)
         self.stats["payload_wait_seconds"] += time.perf_counter() - t0
         return frames.checked(data, length, crc, bool(desc.get("frame")), f"{name!r} from {party_key(party)}")
 
-    def _take_announced(self, name: str, tag: str, party: Tuple[str, str]) -> Any:
+    def _take_announced(self, name: str, tag: str, party: Sequence[str]) -> Any:
         """descriptors: channel: the object `party` put under (name, tag), with its announced fields checked."""
         t0 = time.perf_counter()
         # the wait includes the sender's own work before its put (a round of local training), as FATE's
@@ -356,7 +371,8 @@ class RdmaFederation(Receiving):
             length, crc = int(md["length"]), md.get("crc32c")
             crc = None if crc is None else int(crc)
         except (ValueError, KeyError, TypeError) as exc:
-            raise IntegrityError(f"fate-rdma: malformed announcement of {name!r} from {party_key(party)}: {exc!r}") from exc
+            raise IntegrityError(f"fate-rdma: malformed announcement of {name!r} from {party_key(party)}: "
+                                 f"{exc!r}") from exc
         return frames.checked(data, length, crc, bool(md.get("frame")), f"{name!r} from {party_key(party)}")
 
     # -- teardown -------------------------------------------------------------------------------

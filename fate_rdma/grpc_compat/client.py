@@ -18,7 +18,7 @@ log = logging.getLogger("fate_rdma.grpc")
 _ident = lambda b: b  # noqa: E731
 
 
-class RpcError(grpc.RpcError, grpc.Call, grpc.Future):  # type: ignore[misc]
+class RpcError(grpc.RpcError, grpc.Call, grpc.Future):
     """A finished call's error: `code()`, `details()`, `trailing_metadata()`, as grpc's own."""
 
     def __init__(self, code: grpc.StatusCode, details: str, initial: Metadata = (), trailing: Metadata = ()) -> None:
@@ -78,8 +78,8 @@ class RpcError(grpc.RpcError, grpc.Call, grpc.Future):  # type: ignore[misc]
 class _Call(RpcError):
     """The client side of one RPC: a response iterator, a future and a grpc.Call at once."""
 
-    def __init__(self, channel: "RdmaChannel", method: str, ser: Callable, deser: Callable,
-                 timeout: Optional[float], metadata: Optional[Metadata]) -> None:
+    def __init__(self, channel: "RdmaChannel", method: str, ser: Optional[Callable[..., Any]],
+                 deser: Optional[Callable[..., Any]], timeout: Optional[float], metadata: Optional[Metadata]) -> None:
         RpcError.__init__(self, grpc.StatusCode.OK, "")
         self._ch, self._method, self._ser, self._deser = channel, method, ser or _ident, deser or _ident
         self.id = uuid.uuid4().hex
@@ -104,7 +104,13 @@ class _Call(RpcError):
         except Exception as exc:
             self._finish(status_for(exc), f"failed to send to {self._ch.target}: {exc}")
             return
-        fut.add_done_callback(lambda f: f.exception() and self._finish(status_for(f.exception()), str(f.exception())))
+
+        def failed(f: Any) -> None:
+            exc = f.exception()
+            if exc:
+                self._finish(status_for(exc), str(exc))
+
+        fut.add_done_callback(failed)
 
     def _start(self, request: Any = None, unary: bool = False) -> None:
         payload = self._ser(request) if unary else b""
@@ -154,9 +160,11 @@ class _Call(RpcError):
             elif kind == "msg":
                 return self._deser(data)
             elif kind == "status":
-                code = getattr(grpc.StatusCode, md.get("code", "UNKNOWN"), grpc.StatusCode.UNKNOWN)
+                name = md.get("code")
+                code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN) if isinstance(name, str) \
+                    else grpc.StatusCode.UNKNOWN
                 self._t = decode_md(md.get("trailing"))
-                self._finish(code, md.get("details", ""))
+                self._finish(code, str(md.get("details", "")))
                 return _END
 
     def _finish(self, code: grpc.StatusCode, details: str) -> bool:
@@ -169,8 +177,8 @@ class _Call(RpcError):
         self._ch.router.unregister(self.id)
         for cb in cbs:
             cb()
-        for cb in dcbs:
-            cb(self)
+        for dcb in dcbs:
+            dcb(self)
         return True
 
     # -- iterator (response streaming) ----------------------------------------------------------
@@ -295,7 +303,8 @@ class _MultiCallable:
         return call if self._resp_stream else call._unary_result()
 
     def with_call(self, request: Any, timeout: Optional[float] = None, metadata: Optional[Metadata] = None,
-                  credentials: Any = None, wait_for_ready: Optional[bool] = None, compression: Any = None) -> Tuple[Any, _Call]:
+                  credentials: Any = None, wait_for_ready: Optional[bool] = None,
+                  compression: Any = None) -> Tuple[Any, _Call]:
         call = self._call(request, timeout, metadata)
         return call._unary_result(), call
 

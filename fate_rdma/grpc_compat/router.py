@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import grpc
 
 from ..channel import Endpoint
-from ..errors import (FateRdmaError, IntegrityError, PayloadTooLarge, PeerUnreachable, TransferCancelled,
-                      TransferTimeout)
+from ..errors import (FateRdmaError, IntegrityError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError,
+                      TransferCancelled, TransferTimeout)
 
 log = logging.getLogger("fate_rdma.grpc")
 
@@ -27,8 +27,10 @@ Metadata = Sequence[Tuple[str, Any]]
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The one table from fate-rdma failures to gRPC status codes (STYLE.md §2)."""
-    for cls, code in ((TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED), (PeerUnreachable, grpc.StatusCode.UNAVAILABLE),
-                      (PayloadTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED), (IntegrityError, grpc.StatusCode.DATA_LOSS),
+    for cls, code in ((TransferTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+                      (PeerUnreachable, grpc.StatusCode.UNAVAILABLE),
+                      (PayloadTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                      (IntegrityError, grpc.StatusCode.DATA_LOSS),
                       (TransferCancelled, grpc.StatusCode.CANCELLED)):
         if isinstance(exc, cls):
             return code
@@ -46,9 +48,22 @@ def encode_md(md: Optional[Metadata]) -> List[List[Any]]:
 
 
 def decode_md(md: Any) -> Tuple[Tuple[str, Any], ...]:
+    """gRPC metadata as a peer sent it (encode_md's form); RemoteProtocolError if it is not that."""
+    if md is None:
+        return ()
+    if not isinstance(md, list):
+        raise RemoteProtocolError(f"gRPC metadata is a {type(md).__name__}, expected a list of [key, value] pairs")
     out = []
-    for k, v in md or ():
-        out.append((k, base64.b64decode(v["b64"]) if isinstance(v, dict) else v))
+    for pair in md:
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise RemoteProtocolError(f"gRPC metadata entry {str(pair)[:100]!r} is not a [key, value] pair")
+        k, v = pair
+        if isinstance(v, dict):
+            try:
+                v = base64.b64decode(v["b64"], validate=True)
+            except (KeyError, TypeError, ValueError) as exc:  # (binascii.Error is a ValueError)
+                raise RemoteProtocolError(f"gRPC metadata {k!r}: binary value is not base64: {exc!r}") from exc
+        out.append((k, v))
     return tuple(out)
 
 
@@ -91,7 +106,10 @@ class Router:
                 if q is not None:
                     q.put((md, data))
             elif md.get("d") == "c2s" and self.server_sink is not None:
-                self.server_sink(peer, md, data)
+                try:
+                    self.server_sink(peer, md, data)
+                except RemoteProtocolError as exc:  # (this thread serves every call: one bad message must not end it)
+                    log.warning("dropped a malformed message from %s: %s", peer, exc)
             else:
                 log.warning("dropped a message from %s that belongs to no call (%s)", peer, md.get("t"))
 

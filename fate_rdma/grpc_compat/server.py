@@ -6,12 +6,13 @@ import queue
 import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import grpc
 
 from ..channel import Endpoint
 from ..config import ChannelConfig
+from ..errors import RemoteProtocolError
 from .router import Metadata, decode_md, drop_router, encode_md, router_for
 
 log = logging.getLogger("fate_rdma.grpc")
@@ -46,7 +47,8 @@ class _Context(grpc.ServicerContext):
     def send(self, kind: str, payload: bytes = b"", **extra: Any) -> None:
         md = {"rpc": self.id, "d": "s2c", "t": kind, **extra}
         try:
-            self._server.endpoint.send(self._reply_to, payload, md)
+            endpoint = cast(Endpoint, self._server.endpoint)  # (calls come only once the server has its endpoint)
+            endpoint.send(self._reply_to, payload, md)
         except Exception as exc:
             log.warning("call %s: cannot answer %s: %s", self.id[:8], self._reply_to, exc)
             self.on_cancel()
@@ -135,9 +137,11 @@ class _Context(grpc.ServicerContext):
 class RdmaServer(grpc.Server):
     """`grpc.Server` over fate-rdma. `add_insecure_port("host:port")` opens the endpoint there."""
 
-    def __init__(self, thread_pool: Optional[futures.ThreadPoolExecutor] = None, config: ChannelConfig = ChannelConfig(),
+    def __init__(self, thread_pool: Optional[futures.ThreadPoolExecutor] = None,
+                 config: ChannelConfig = ChannelConfig(),
                  endpoint: Optional[Endpoint] = None, max_workers: int = 10) -> None:
-        self._pool = thread_pool or futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fate-rdma-rpc")
+        self._pool = thread_pool or futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                               thread_name_prefix="fate-rdma-rpc")
         self._config = config
         self.endpoint = endpoint
         self._owns_endpoint = endpoint is None
@@ -200,11 +204,21 @@ class RdmaServer(grpc.Server):
     # -- dispatch -------------------------------------------------------------------------------
     def _on_message(self, peer: str, md: Dict[str, Any], data: bytes) -> None:
         cid, kind = md.get("rpc", ""), md.get("t")
+        if not isinstance(cid, str):
+            raise RemoteProtocolError(f"gRPC message from {peer}: field 'rpc' is a {type(cid).__name__}, not a string")
+        ctx: Optional[_Context]
         if kind == "start":
-            ctx = _Context(self, peer, cid, md.get("reply_to") or peer, decode_md(md.get("md")), md.get("timeout_s"))
+            method, timeout_s, reply_to = md.get("method", ""), md.get("timeout_s"), md.get("reply_to") or peer
+            for field, value, ok in (("method", method, isinstance(method, str)),
+                                     ("reply_to", reply_to, isinstance(reply_to, str)),
+                                     ("timeout_s", timeout_s, timeout_s is None or (
+                                         type(timeout_s) in (int, float) and 0 <= timeout_s < 1e9))):
+                if not ok:
+                    raise RemoteProtocolError(f"gRPC call start from {peer}: field {field!r} = {str(value)[:100]!r}")
+            ctx = _Context(self, peer, cid, reply_to, decode_md(md.get("md")), timeout_s)
             with self._lock:
                 self._calls[cid] = ctx
-            self._pool.submit(self._serve, ctx, md.get("method", ""), bool(md.get("unary")), data)
+            self._pool.submit(self._serve, ctx, method, bool(md.get("unary")), data)
             return
         with self._lock:
             ctx = self._calls.get(cid)
@@ -223,7 +237,7 @@ class RdmaServer(grpc.Server):
                 return handler
         return None
 
-    def _request_iter(self, ctx: _Context, deser: Callable) -> Iterator[Any]:
+    def _request_iter(self, ctx: _Context, deser: Optional[Callable[..., Any]]) -> Iterator[Any]:
         while True:
             left = ctx.time_remaining()
             try:
@@ -278,7 +292,8 @@ class RdmaServer(grpc.Server):
             if ctx._cancelled.is_set():
                 return
             log.warning("servicer for %s raised: %r", method, exc)
-            self._status(ctx, ctx.code() or grpc.StatusCode.UNKNOWN, ctx.details() or f"Exception calling application: {exc}")
+            self._status(ctx, ctx.code() or grpc.StatusCode.UNKNOWN,
+                         ctx.details() or f"Exception calling application: {exc}")
         finally:
             ctx.finish()
             with self._lock:

@@ -61,7 +61,8 @@ class _Deadlines:
                                   f"that long (code keeping its GIL; its log says so): raise "
                                   f"no_progress_timeout_s above its holds", tid)
         if now - self.start > self.total_s:
-            raise TransferTimeout(f"transfer {tid}: not done after {now - self.start:.1f} s (limit {self.total_s:g} s)", tid)
+            raise TransferTimeout(f"transfer {tid}: not done after {now - self.start:.1f} s "
+                                  f"(limit {self.total_s:g} s)", tid)
 
 
 class SenderBase:
@@ -94,7 +95,8 @@ class SenderBase:
         ev = SendEvent(event)
         nxt = self.TRANSITIONS.get((self.state, ev))
         if nxt is None:
-            raise LocalProtocolError(f"transfer {self.transfer_id}: {ev.value!r} not allowed in state {self.state.value}")
+            raise LocalProtocolError(f"transfer {self.transfer_id}: {ev.value!r} not allowed in state "
+                                     f"{self.state.value}")
         self.state = nxt
 
     @property
@@ -180,7 +182,7 @@ class FedRdmaSender(SenderBase):
         return self._chunk_done(seq, now)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Placed:
     """Chunk bytes to copy into the transfer's destination at `offset`; then ACK `seq`."""
 
@@ -217,13 +219,60 @@ class _Partial:
         return True
 
 
+class RecvState(enum.Enum):
+    """A FedRDMA transfer as the receiver follows it."""
+
+    NEW = "new"  # no chunk of it seen (never stored: an id not in the receiver's table is NEW)
+    ARRIVING = "arriving"  # chunks arrive and are placed; some are missing
+    DONE = "done"  # every chunk arrived: delivered
+    DROPPED = "dropped"  # cancelled, refused or expired: its chunks are ACKed, never placed
+
+
+class RecvEvent(enum.Enum):
+    CHUNK = "chunk"  # a new chunk placed, more missing (peer)
+    LAST = "last"  # the last missing chunk placed (peer)
+    DUPLICATE = "duplicate"  # a chunk seen before, or of a transfer that is over: re-ACKed (peer)
+    CANCEL = "cancel"  # the sender's CANCEL (peer), or this side gave it up
+    REFUSE = "refuse"  # its chunk failed a check, or this side refused it (memory budget): ERROR sent
+    EXPIRE = "expire"  # no chunk for no_progress_s: ERROR sent
+
+
+#: events the peer's frames cause: one not in the table is the peer's fault (RemoteProtocolError), any
+#: other this side's (LocalProtocolError)
+_PEER_EVENTS = frozenset({RecvEvent.CHUNK, RecvEvent.LAST, RecvEvent.DUPLICATE, RecvEvent.CANCEL})
+
+
 class FedRdmaReceiver:
     """Reassembly bookkeeping for every transfer arriving on one connection.
 
     `on_chunk` validates a chunk against what is known of its transfer and says where it goes; a
     duplicate (a resent chunk) answers None: re-ACK it, do not copy it again. `integrity`: the checksum
     this receiver requires of every chunk (default crc32c, or none when `verify_crc` is false).
+
+    Receiver states, per transfer (`TRANSITIONS`; anything else is a protocol error):
+        NEW --chunk--> ARRIVING --chunk or duplicate--> ARRIVING --last chunk--> DONE;  NEW --last chunk--> DONE
+        NEW or ARRIVING --cancel, refuse--> DROPPED;  ARRIVING --expire--> DROPPED
+        DONE --refuse (whole in one chunk, refused before delivery)--> DROPPED
+        DONE or DROPPED --duplicate, cancel--> unchanged (a resent chunk, a CANCEL that crossed the last ACK)
     """
+
+    TRANSITIONS = {
+        (RecvState.NEW, RecvEvent.CHUNK): RecvState.ARRIVING,
+        (RecvState.NEW, RecvEvent.LAST): RecvState.DONE,
+        (RecvState.NEW, RecvEvent.CANCEL): RecvState.DROPPED,
+        (RecvState.NEW, RecvEvent.REFUSE): RecvState.DROPPED,
+        (RecvState.ARRIVING, RecvEvent.CHUNK): RecvState.ARRIVING,
+        (RecvState.ARRIVING, RecvEvent.DUPLICATE): RecvState.ARRIVING,
+        (RecvState.ARRIVING, RecvEvent.LAST): RecvState.DONE,
+        (RecvState.ARRIVING, RecvEvent.CANCEL): RecvState.DROPPED,
+        (RecvState.ARRIVING, RecvEvent.REFUSE): RecvState.DROPPED,
+        (RecvState.ARRIVING, RecvEvent.EXPIRE): RecvState.DROPPED,
+        (RecvState.DONE, RecvEvent.DUPLICATE): RecvState.DONE,
+        (RecvState.DONE, RecvEvent.CANCEL): RecvState.DONE,
+        (RecvState.DONE, RecvEvent.REFUSE): RecvState.DROPPED,
+        (RecvState.DROPPED, RecvEvent.DUPLICATE): RecvState.DROPPED,
+        (RecvState.DROPPED, RecvEvent.CANCEL): RecvState.DROPPED,
+    }
 
     def __init__(self, max_total_bytes: int, no_progress_s: float = 30.0, verify_crc: bool = True,
                  integrity: "Integrity | None" = None) -> None:
@@ -231,64 +280,77 @@ class FedRdmaReceiver:
         self.no_progress_s = no_progress_s
         self.integrity = integrity or Integrity("crc32c" if verify_crc else "none")
         self._partial: Dict[int, _Partial] = {}
-        self._finished: Set[int] = set()
-        self._cancelled: Set[int] = set()
+        #: each transfer seen and its state (over ones too: their late chunks are duplicates)
+        self._state: Dict[int, RecvState] = {}
 
     @property
     def verify_crc(self) -> bool:
         return self.integrity.on
 
+    def state(self, transfer_id: int) -> RecvState:
+        return self._state.get(transfer_id, RecvState.NEW)
+
+    def _move(self, transfer_id: int, event: RecvEvent) -> None:
+        st = self.state(transfer_id)
+        nxt = self.TRANSITIONS.get((st, event))
+        if nxt is None:
+            err = RemoteProtocolError if event in _PEER_EVENTS else LocalProtocolError
+            raise err(f"transfer {transfer_id}: {event.value!r} not allowed in state {st.value}")
+        self._state[transfer_id] = nxt
+        if nxt is not RecvState.ARRIVING:
+            self._partial.pop(transfer_id, None)
+
     def on_chunk(self, hdr: Header, data: memoryview, now: float, meta: bytes = b"") -> Optional[Placed]:
         """`meta`: the metadata that arrived with chunk 0 (its checksum covers it)."""
+        tid = hdr.transfer_id
         if hdr.kind is not HeaderKind.CHUNK:
-            raise RemoteProtocolError(f"transfer {hdr.transfer_id}: FedRDMA expects CHUNK headers, got {hdr.kind.name}")
+            raise RemoteProtocolError(f"transfer {tid}: FedRDMA expects CHUNK headers, got {hdr.kind.name}")
         if len(data) != hdr.length:
-            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: header says {hdr.length} bytes, "
+            raise RemoteProtocolError(f"transfer {tid} chunk {hdr.seq}: header says {hdr.length} bytes, "
                                       f"{len(data)} arrived")
-        if hdr.transfer_id in self._finished or hdr.transfer_id in self._cancelled:
-            return None  # a late duplicate of a finished or cancelled transfer
+        if self.state(tid) in (RecvState.DONE, RecvState.DROPPED):
+            self._move(tid, RecvEvent.DUPLICATE)  # a late duplicate of a finished or dropped transfer
+            return None
         try:  # integrity is the receiver's decision, not the sender's
-            self.integrity.require(hdr, f"transfer {hdr.transfer_id} chunk {hdr.seq}")
+            self.integrity.require(hdr, f"transfer {tid} chunk {hdr.seq}")
         except RemoteProtocolError:
-            self._drop(hdr.transfer_id)
+            self._move(tid, RecvEvent.REFUSE)
             raise
         if not self.integrity.verify(hdr, meta, self.integrity.chunk_digest([data])):
-            self._drop(hdr.transfer_id)
-            raise IntegrityError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: {self.integrity.kind} mismatch "
-                                 f"(payload, metadata or header fields)", hdr.transfer_id)
-        p = self._partial.get(hdr.transfer_id)
+            self._move(tid, RecvEvent.REFUSE)
+            raise IntegrityError(f"transfer {tid} chunk {hdr.seq}: {self.integrity.kind} mismatch "
+                                 f"(payload, metadata or header fields)", tid)
+        p = self._partial.get(tid)
         first = p is None
-        if first:
+        if p is None:
             if hdr.total > self.max_total_bytes:
-                self._cancelled.add(hdr.transfer_id)
-                raise PayloadTooLarge(f"transfer {hdr.transfer_id}: {hdr.total} bytes exceed this receiver's "
-                                      f"limit of {self.max_total_bytes}", hdr.transfer_id)
-            p = self._partial[hdr.transfer_id] = _Partial(hdr.total, hdr.nchunks, set(), now, 0)
+                self._move(tid, RecvEvent.REFUSE)
+                raise PayloadTooLarge(f"transfer {tid}: {hdr.total} bytes exceed this receiver's "
+                                      f"limit of {self.max_total_bytes}", tid)
+            p = _Partial(hdr.total, hdr.nchunks, set(), now, 0)
         elif (p.total, p.nchunks) != (hdr.total, hdr.nchunks):
-            raise RemoteProtocolError(f"transfer {hdr.transfer_id}: chunk {hdr.seq} disagrees on size "
+            self._move(tid, RecvEvent.REFUSE)
+            raise RemoteProtocolError(f"transfer {tid}: chunk {hdr.seq} disagrees on size "
                                       f"({hdr.total}/{hdr.nchunks} vs {p.total}/{p.nchunks})")
         if hdr.seq in p.got:
+            self._move(tid, RecvEvent.DUPLICATE)
             return None
         if not p.place(hdr.offset, hdr.length):
-            self._drop(hdr.transfer_id)
-            raise RemoteProtocolError(f"transfer {hdr.transfer_id} chunk {hdr.seq}: bytes [{hdr.offset}, "
+            self._move(tid, RecvEvent.REFUSE)
+            raise RemoteProtocolError(f"transfer {tid} chunk {hdr.seq}: bytes [{hdr.offset}, "
                                       f"{hdr.offset + hdr.length}) overlap a chunk already received")
         p.got.add(hdr.seq)
         p.got_bytes += hdr.length
         p.last_progress = now
         complete = len(p.got) == p.nchunks
-        if complete:
-            del self._partial[hdr.transfer_id]
-            if p.got_bytes != p.total:  # no overlaps, so the chunks cover exactly got_bytes of the payload
-                self._cancelled.add(hdr.transfer_id)
-                raise RemoteProtocolError(f"transfer {hdr.transfer_id}: its {p.nchunks} chunks cover {p.got_bytes} of "
-                                          f"{p.total} bytes (a gap): not delivered")
-            self._finished.add(hdr.transfer_id)
-        return Placed(hdr.transfer_id, hdr.seq, hdr.offset, first, complete)
-
-    def _drop(self, transfer_id: int) -> None:
-        self._partial.pop(transfer_id, None)
-        self._cancelled.add(transfer_id)
+        if complete and p.got_bytes != p.total:  # no overlaps, so the chunks cover exactly got_bytes of the payload
+            self._move(tid, RecvEvent.REFUSE)
+            raise RemoteProtocolError(f"transfer {tid}: its {p.nchunks} chunks cover {p.got_bytes} of "
+                                      f"{p.total} bytes (a gap): not delivered")
+        self._move(tid, RecvEvent.LAST if complete else RecvEvent.CHUNK)
+        if not complete:
+            self._partial[tid] = p
+        return Placed(tid, hdr.seq, hdr.offset, first, complete)
 
     def received_bytes(self, transfer_id: int) -> int:
         """Payload bytes of a transfer in progress that have arrived so far (0 when none is)."""
@@ -296,13 +358,18 @@ class FedRdmaReceiver:
         return 0 if p is None else p.got_bytes
 
     def cancel(self, transfer_id: int) -> bool:
-        """Forget a partial transfer (the peer or this side cancelled it). True if it was in progress."""
-        self._cancelled.add(transfer_id)
-        return self._partial.pop(transfer_id, None) is not None
+        """The sender cancelled the transfer (its CANCEL): forget it. True if it was in progress."""
+        arriving = self.state(transfer_id) is RecvState.ARRIVING
+        self._move(transfer_id, RecvEvent.CANCEL)
+        return arriving
+
+    def refuse(self, transfer_id: int) -> None:
+        """This side refused the transfer after its chunk was placed (the memory budget): forget it."""
+        self._move(transfer_id, RecvEvent.REFUSE)
 
     def expired(self, now: float) -> List[int]:
         """Partial transfers with no chunk for `no_progress_s`: dropped, ids returned."""
         dead = [tid for tid, p in self._partial.items() if now - p.last_progress > self.no_progress_s]
         for tid in dead:
-            self.cancel(tid)
+            self._move(tid, RecvEvent.EXPIRE)
         return dead

@@ -3,7 +3,7 @@ straight to their final offsets, one header.
 
 Slot layout at the receiver: [HEADER (64 B)][metadata (meta_cap B)][payload (slot_payload_bytes)].
 The sender writes chunks n-1 .. 1 to their final offsets, then chunk 0 together with the header and
-metadata as one WRITE_WITH_IMM (imm = slot index << 16 | transfer sequence & 0xFFFF). The receiver
+metadata as one WRITE_WITH_IMM (its immediate names the slot: packing.py). The receiver
 learns of the transfer from that completion alone: no staging copy, no reassembly. The consumer
 gets a view of the slot and releases it, which sends a CREDIT back; the sender's `SlotRing` pointer
 moves to the next slot after each transfer and wraps around, waiting for credit when the next slot
@@ -24,31 +24,29 @@ Sender states (`FedRdmaESender.TRANSITIONS`; anything else is a LocalProtocolErr
     SENDING or PLACED --cancel--> CANCELLED;  SENDING or PLACED --fail / deadline--> FAILED
 The receiver answers DONE only after its checksum, so PLACED (bytes in the slot) is not success:
 a PLACED transfer that the receiver does not confirm within the no-progress deadline fails.
+
+Receiver: each slot's transfer in `FedRdmaEReceiver.TRANSITIONS` (its grants in pool.py); PLACED notes on
+the way (placed.py) let it checksum a transfer's placed blocks before the header arrives.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 from typing import Deque, List, Optional, Set
 
 from ..errors import IntegrityError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError, TransferTimeout
 from .chunking import Chunk, plan_chunks
 from .fedrdma import TERMINAL, SendEvent, SenderBase, SendState
-from .frames import HEADER, MAX_META, Header, HeaderKind, decode_header
+from .frames import HEADER, MAX_META, Ctrl, CtrlKind, Header, HeaderKind, decode_header
 from .integrity import Integrity
+from .packing import PlacedNote, decode_placed, encode_placed, make_imm, split_imm
+from .placed import NoteBook, NoteSchedule, NoteWork, serves
 from .pool import GrantState, ReceivePool
 
 
 def slot_payload_offset(meta_cap: int) -> int:
     return HEADER.size + meta_cap
-
-
-def make_imm(slot: int, seq: int) -> int:
-    return (slot & 0xFFFF) << 16 | (seq & 0xFFFF)
-
-
-def split_imm(imm: int) -> tuple:
-    return imm >> 16, imm & 0xFFFF
 
 
 class FedRdmaESender(SenderBase):
@@ -69,9 +67,12 @@ class FedRdmaESender(SenderBase):
 
     def __init__(self, transfer_id: int, seq16: int, slot: int, total: int, chunk_bytes: int, window: int,
                  now: float, slot_payload_bytes: int, first_chunk_bytes: int = 0, header_after_all: bool = False,
-                 no_progress_s: float = 30.0, total_s: float = 3600.0, room_bytes: Optional[int] = None) -> None:
+                 no_progress_s: float = 30.0, total_s: float = 3600.0, room_bytes: Optional[int] = None,
+                 placed_notes: bool = False) -> None:
         """`slot_payload_bytes`: the most the peer's slot takes; `room_bytes`: what its grant holds now
-        (None: as much). A larger payload starts GROWING: send `ring.grow(...)`, then `on_room`."""
+        (None: as much). A larger payload starts GROWING: send `ring.grow(...)`, then `on_room`.
+        `placed_notes`: the peer takes PLACED notes and this transfer's checksum is one they serve
+        (placed.py): `placed_note` says when one goes."""
         if total > slot_payload_bytes:
             raise PayloadTooLarge(f"payload of {total} bytes exceeds the peer's FedRDMA-E receive slot of "
                                   f"{slot_payload_bytes} bytes", transfer_id)
@@ -89,6 +90,8 @@ class FedRdmaESender(SenderBase):
         self.ready_from = 0
         self._confirmed = False  # the receiver's DONE arrived before our last WRITE completed
         self._placed_at: Optional[float] = None
+        self._notes = NoteSchedule(self.total, self.chunks[1].offset if len(self.chunks) > 1 else None) \
+            if placed_notes and NoteSchedule.applies_to(self.total) else None
         if room_bytes is not None and self.total > room_bytes:
             self.state = SendState.GROWING
 
@@ -107,7 +110,9 @@ class FedRdmaESender(SenderBase):
             if self.chunks[seq].offset < self.ready_from:
                 break  # its bytes are still being copied in (chunks go back to front, so all later ones too)
             if seq == 0 and (self.hold_header or (self.header_after_all and len(self._done) < len(self.chunks) - 1)):
-                break  # chunk 0 (with the header) only once its checksum is known and, with several QPs, every other chunk is placed
+                # chunk 0 (with the header) only once its checksum is known and, with several QPs, every other
+                # chunk is placed
+                break
             self._order.pop(0)
             self._in_flight.add(seq)
             out.append(self.chunks[seq])
@@ -125,6 +130,14 @@ class FedRdmaESender(SenderBase):
         while self._tail > 1 and self._tail - 1 in self._done:
             self._tail -= 1
         return self.chunks[self._tail].offset if self._tail < len(self.chunks) else None
+
+    def placed_note(self) -> Optional[Ctrl]:
+        """The PLACED note to send now, if this transfer notes and one is due (placed.NoteSchedule); none once
+        the header is posted (it arrives after the header anyway)."""
+        if self._notes is None or self.header_posted:
+            return None
+        x = self._notes.due(self.placed_from())
+        return None if x is None else encode_placed(PlacedNote(self.transfer_id, self.slot, self.total, x))
 
     def header(self, meta_len: int, crc: Optional[int], meta_crc: int = 0) -> Header:
         return Header(HeaderKind.SLOT, self.transfer_id, 0, len(self.chunks), 0, self.chunks[0].length, meta_len,
@@ -178,15 +191,40 @@ class FedRdmaESender(SenderBase):
         return 0 in self._in_flight or 0 in self._done
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class SlotMessage:
-    """A complete FedRDMA-E transfer sitting in receive slot `slot`."""
+    """A complete FedRDMA-E transfer sitting in receive slot `slot`; `noted`: PLACED notes under the slot's
+    grant were of this transfer (the receiver's early digests are its)."""
 
     slot: int
     header: Header
     meta_offset: int
     payload_offset: int
+    noted: bool = False
 
+
+class SlotRecvState(enum.Enum):
+    """What a receive slot holds, as the receiver follows its transfers (its grants: pool.GrantState)."""
+
+    EMPTY = "empty"  # granted; no transfer of the grant known yet
+    NOTED = "noted"  # PLACED notes named a transfer: its placed blocks are being digested
+    CHECKING = "checking"  # the header arrived: the transfer is whole in the slot, its checksum is checked
+    HELD = "held"  # verified, DONE sent, delivered: the consumer holds it until it releases it
+
+
+class SlotRecvEvent(enum.Enum):
+    NOTE = "note"  # a PLACED note accepted (peer)
+    ARRIVE = "arrive"  # the header's WRITE_WITH_IMM, accepted (peer)
+    REFUSE = "refuse"  # the header's WRITE_WITH_IMM, refused for its fields: granted again (peer)
+    VERIFY = "verify"  # the checksum matched (or there is none): DONE, delivered
+    MISMATCH = "mismatch"  # it did not: ERROR, granted again
+    RELEASE = "release"  # the consumer released it: granted again
+    REGRANT = "regrant"  # the slot grew or shrank (GROW, RETURN): granted anew, its notes void
+
+
+#: events the peer's frames cause: one not in the table is the peer's fault (RemoteProtocolError), any
+#: other this side's (LocalProtocolError)
+_PEER_EVENTS = frozenset({SlotRecvEvent.NOTE, SlotRecvEvent.ARRIVE, SlotRecvEvent.REFUSE})
 
 #: transfer ids a FedRDMA-E receiver remembers: a sender's ids count up, so one older than the last
 #: REPLAY_WINDOW seen, or one of them, is a replay (ids of one connection arrive nearly in order)
@@ -194,10 +232,31 @@ REPLAY_WINDOW = 4096
 
 
 class FedRdmaEReceiver:
-    """Validates WRITE_WITH_IMM arrivals against the slot pool (`pool`: each slot's grant and state).
-    `integrity`: the checksum this receiver requires (default crc32c, or none when `verify_crc` is false);
-    `slot_payload_bytes`: the most a slot grows to; `initial_payload_bytes` (default: that much), `idle_s`,
-    `now`, `rkeys`: as ReceivePool takes them."""
+    """Validates WRITE_WITH_IMM arrivals and PLACED notes against the slot pool (`pool`: each slot's grant),
+    and follows each slot's transfer (`slot_state`; transitions in TRANSITIONS, anything else a protocol
+    error). `integrity`: the checksum this receiver requires (default crc32c, or none when `verify_crc` is
+    false); `slot_payload_bytes`: the most a slot grows to; `initial_payload_bytes` (default: that much),
+    `idle_s`, `now`, `rkeys`: as ReceivePool takes them.
+
+    Slot states (SlotRecvState):
+        EMPTY --note--> NOTED --note--> NOTED;  EMPTY or NOTED --header accepted--> CHECKING
+        CHECKING --checksum matched--> HELD --released--> EMPTY;  CHECKING --mismatch--> EMPTY
+        EMPTY or NOTED --header refused (its fields)--> EMPTY;  EMPTY or NOTED --grown or shrunk--> EMPTY
+    A header for a slot in CHECKING or HELD is the peer writing memory the consumer holds."""
+
+    TRANSITIONS = {
+        (SlotRecvState.EMPTY, SlotRecvEvent.NOTE): SlotRecvState.NOTED,
+        (SlotRecvState.NOTED, SlotRecvEvent.NOTE): SlotRecvState.NOTED,
+        (SlotRecvState.EMPTY, SlotRecvEvent.ARRIVE): SlotRecvState.CHECKING,
+        (SlotRecvState.NOTED, SlotRecvEvent.ARRIVE): SlotRecvState.CHECKING,
+        (SlotRecvState.EMPTY, SlotRecvEvent.REFUSE): SlotRecvState.EMPTY,
+        (SlotRecvState.NOTED, SlotRecvEvent.REFUSE): SlotRecvState.EMPTY,
+        (SlotRecvState.CHECKING, SlotRecvEvent.VERIFY): SlotRecvState.HELD,
+        (SlotRecvState.CHECKING, SlotRecvEvent.MISMATCH): SlotRecvState.EMPTY,
+        (SlotRecvState.HELD, SlotRecvEvent.RELEASE): SlotRecvState.EMPTY,
+        (SlotRecvState.EMPTY, SlotRecvEvent.REGRANT): SlotRecvState.EMPTY,
+        (SlotRecvState.NOTED, SlotRecvEvent.REGRANT): SlotRecvState.EMPTY,
+    }
 
     def __init__(self, nslots: int, slot_payload_bytes: int, meta_cap: int = MAX_META, verify_crc: bool = True,
                  integrity: Optional[Integrity] = None, initial_payload_bytes: Optional[int] = None,
@@ -207,9 +266,20 @@ class FedRdmaEReceiver:
         self.nslots, self.slot_payload_bytes, self.meta_cap = nslots, slot_payload_bytes, meta_cap
         self.integrity = integrity or Integrity("crc32c" if verify_crc else "none")
         self.pool = ReceivePool(nslots, slot_payload_bytes, initial_payload_bytes, idle_s, now, rkeys)
+        self.slot_state = [SlotRecvState.EMPTY] * nslots
+        self.notes = NoteBook()
         self._seen: Set[int] = set()
         self._seen_order: Deque[int] = collections.deque()
         self._forgotten = -1  # the largest id that left the window
+
+    def _move(self, slot: int, event: SlotRecvEvent) -> None:
+        nxt = self.TRANSITIONS.get((self.slot_state[slot], event))
+        if nxt is None:
+            err = RemoteProtocolError if event in _PEER_EVENTS else LocalProtocolError
+            raise err(f"slot {slot}: {event.value!r} not allowed in state {self.slot_state[slot].value}")
+        self.slot_state[slot] = nxt
+        if nxt is not SlotRecvState.NOTED:
+            self.notes.forget(slot)
 
     @property
     def verify_crc(self) -> bool:
@@ -234,8 +304,25 @@ class FedRdmaEReceiver:
         """A slot's bytes at its largest."""
         return slot_payload_offset(self.meta_cap) + self.slot_payload_bytes
 
+    def on_placed(self, c: Ctrl) -> Optional[NoteWork]:
+        """The sender's PLACED note (placed.py): every field checked against the slot's grant, then the blocks
+        to digest now, or None where the note starts nothing (dropped)."""
+        note = decode_placed(c)
+        slot, total, start = note.slot, note.total, note.placed_from
+        if slot >= self.nslots or total > self.pool.capacity[slot] or start > total:
+            raise RemoteProtocolError(f"PLACED note for slot {slot} ({start} of {total} bytes) does not fit this "
+                                      f"side's pool")
+        if not self.verify_crc or not serves(self.integrity.kind) or self.seen(note.transfer_id) \
+                or self.slot_state[slot] in (SlotRecvState.CHECKING, SlotRecvState.HELD):
+            return None  # (a slot that holds a transfer: a note of the one before, its header overtook it)
+        # (the first note under the slot's grant names its transfer)
+        work = self.notes.take(slot, note.transfer_id, total, start)
+        self._move(slot, SlotRecvEvent.NOTE)
+        return work
+
     def on_write_imm(self, imm: int, slot_header: memoryview, now: float = 0.0) -> SlotMessage:
-        """The header WRITE_WITH_IMM completed: the whole transfer is in the slot."""
+        """The header WRITE_WITH_IMM completed: the whole transfer is in the slot. A header whose fields
+        are refused leaves the slot to be granted again (`refuse`)."""
         slot, _ = split_imm(imm)
         if slot >= self.nslots:
             raise RemoteProtocolError(f"WRITE_WITH_IMM names slot {slot}; this side has {self.nslots}")
@@ -251,31 +338,60 @@ class FedRdmaEReceiver:
             raise RemoteProtocolError(f"slot {slot}: header claims {hdr.total} payload / {hdr.meta_len} metadata "
                                       f"bytes; the slot holds {room} / {self.meta_cap}")
         self._replay_check(hdr.transfer_id, slot)
+        noted = self.notes.noted(slot) == (hdr.transfer_id, hdr.total)
+        self._move(slot, SlotRecvEvent.ARRIVE)
         self.pool.arrive(slot, now)
-        return SlotMessage(slot, hdr, HEADER.size, slot_payload_offset(self.meta_cap))
+        return SlotMessage(slot, hdr, HEADER.size, slot_payload_offset(self.meta_cap), noted)
 
-    def verify(self, msg: SlotMessage, meta_crc: int, payload_crc: int) -> None:
+    def refuse(self, slot: int) -> None:
+        """The header in `slot` was refused for its fields (on_write_imm raised): the slot is granted again."""
+        self._move(slot, SlotRecvEvent.REFUSE)
+        self.pool.refuse(slot)
+
+    def verify(self, msg: SlotMessage, meta_crc: int, payload_crc: int) -> Ctrl:
         """crc32c: compare the checksums the caller computed over the slot with the header's; on
         mismatch the slot is freed and IntegrityError raised. (Computing them is I/O-free but
-        parallel, so the caller does it.)"""
+        parallel, so the caller does it.) Returns the DONE to send."""
         h = msg.header
         if self.verify_crc and (payload_crc != h.crc or meta_crc != h.meta_crc):
             self._mismatch(msg)
+        return self._verified(msg)
 
-    def verify_tag(self, msg: SlotMessage, meta: bytes, leaf_digests: bytes) -> None:
-        """blake2b: check the header's tag against the metadata and the payload's leaf digests, which
+    def verify_tag(self, msg: SlotMessage, meta: bytes, leaf_digests: bytes) -> Ctrl:
+        """blake2b, blake3, xxh3: check the header's tag against the metadata and the payload's block digests, which
         the caller computed in parallel (channel/checksum.py); on mismatch as `verify`."""
         if not self.integrity.verify(msg.header, meta, leaf_digests):
             self._mismatch(msg)
+        return self._verified(msg)
+
+    def unchecked(self, msg: SlotMessage) -> Ctrl:
+        """A receiver without a checksum takes the transfer as it is: the DONE to send."""
+        if self.integrity.on:
+            raise LocalProtocolError(f"slot {msg.slot}: a {self.integrity.kind} receiver delivers checked transfers "
+                                     f"only")
+        return self._verified(msg)
+
+    def _verified(self, msg: SlotMessage) -> Ctrl:
+        self._move(msg.slot, SlotRecvEvent.VERIFY)
+        return Ctrl(CtrlKind.DONE, msg.header.transfer_id)
 
     def _mismatch(self, msg: SlotMessage) -> None:
         h = msg.header
+        self._move(msg.slot, SlotRecvEvent.MISMATCH)
         self.pool.release(msg.slot, self.pool.last_active)  # never delivered: granted again as it is
         raise IntegrityError(f"transfer {h.transfer_id} (slot {msg.slot}): {self.integrity.kind} mismatch "
                              f"(payload, metadata or header fields)", h.transfer_id)
 
     def release(self, slot: int, now: float = 0.0) -> None:
+        if not 0 <= slot < self.nslots:
+            raise LocalProtocolError(f"slot {slot} released twice or never held")
+        self._move(slot, SlotRecvEvent.RELEASE)
         self.pool.release(slot, now)
+
+    def regrant(self, slot: int) -> None:
+        """The slot grew or shrank (pool.grown, pool.on_return): granted anew, so notes taken under the old
+        grant are void."""
+        self._move(slot, SlotRecvEvent.REGRANT)
 
     @property
     def held(self) -> Set[int]:

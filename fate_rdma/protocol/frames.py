@@ -9,6 +9,7 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
     flags        u16  bit 0 FLAG_CRC: crc and meta_crc are set (checksum crc32c);
                       bit 1 FLAG_MAC: the last 16 bytes are a BLAKE2b tag (checksum blake2b);
                       bit 2 FLAG_XXH: the last 16 bytes are an XXH3-128 tag (checksum xxh3);
+                      bit 3 FLAG_B3: the last 16 bytes are a keyed BLAKE3 tag (checksum blake3);
                       none: no checksum. More than one, or any other bit: a protocol error
     reserved     u16  0 (anything else is a protocol error)
     transfer_id  u64  unique per sender and connection
@@ -28,6 +29,8 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
                       included), the metadata and the payload bytes (FedRDMA: this chunk's; FedRDMA-E:
                       the whole payload's), keyed per direction by the connection's session key. The
                       construction is in integrity.py.
+    -- bytes 48..63: FLAG_B3 --
+    tag          16 B keyed BLAKE3 over the same bytes as the MAC, keyed alike (integrity.py)
     -- bytes 48..63: FLAG_XXH --
     tag          16 B XXH3-128 over the same bytes as the MAC (unkeyed: against accidents, as crc32c,
                       at half its CPU cost and with a 128-bit tag; integrity.py)
@@ -43,7 +46,8 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
     magic        u16  0xFD4A
     version      u8   1
     kind         u8   CtrlKind
-    flags        u16  0
+    flags        u16  bit 0 CTRL_FLAG_MAC: a 16-byte tag follows the reason (set exactly when the connection
+                      has a session key: authenticated by the secret or by TLS); no other bit
     reason_len   u16  bytes of reason text after the frame
     transfer_id  u64  the transfer concerned (ACK, CANCEL, ERROR, DONE, GROW, PLACED); CREDIT: the slot's
                       payload capacity in bytes under this grant; else 0
@@ -54,12 +58,21 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
                       RECLAIM, RETURN: the rkey of the grant asked back / handed back; PLACED: the
                       payload offset from which every byte is placed; else 0
 
+    tag          16 B CTRL_FLAG_MAC only: keyed BLAKE2b-128 of (the frame's number on this connection in
+                      this direction, u64 big-endian, counted from 0) || the frame and its reason, keyed
+                      per direction by the connection's session key (auth.direction_keys, "ctrl"). The
+                      number is not sent: both sides count, and control frames travel in order (SENDs on
+                      one RC QP), so an altered, forged, replayed or reordered frame, or one after a frame
+                      that was dropped, fails its check and the connection with it.
+
 GROW, RECLAIM and RETURN resize FedRDMA-E receive slots; who sends which, and when, is in pool.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 import struct
 
 from ..errors import LocalProtocolError, RemoteProtocolError
@@ -71,6 +84,8 @@ CTRL = struct.Struct("!HBBHHQQQ")
 FLAG_CRC = 1
 FLAG_MAC = 2
 FLAG_XXH = 4
+FLAG_B3 = 8
+CTRL_FLAG_MAC = 1
 #: bytes of a BLAKE2b tag: the header's last four u32
 TAG_BYTES = 16
 #: the header's bytes that every checksum's MAC covers: all but the crc / tag area
@@ -132,11 +147,19 @@ class Header:
     tag: bytes = b""
     #: FLAG_XXH: `tag` is an XXH3-128 tag (as has_mac's, unkeyed)
     has_xxh: bool = False
+    #: FLAG_B3: `tag` is a keyed BLAKE3 tag
+    has_b3: bool = False
 
     @property
     def checksum(self) -> str:
         """The checksum this header carries, named as ChannelConfig.checksum names it."""
-        return "blake2b" if self.has_mac else "xxh3" if self.has_xxh else "crc32c" if self.has_crc else "none"
+        return ("blake2b" if self.has_mac else "blake3" if self.has_b3 else "xxh3" if self.has_xxh
+                else "crc32c" if self.has_crc else "none")
+
+    @property
+    def tagged(self) -> bool:
+        """The header's last 16 bytes are a tag (blake2b, blake3, xxh3), not crc32c's fields."""
+        return self.has_mac or self.has_xxh or self.has_b3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,16 +172,17 @@ class Ctrl:
 
 
 def encode_header(h: Header) -> bytes:
-    if h.has_crc + h.has_mac + h.has_xxh > 1:
+    if h.has_crc + h.has_mac + h.has_xxh + h.has_b3 > 1:
         raise LocalProtocolError("a header carries one checksum: crc32c, a MAC tag or an XXH3 tag")
-    if h.has_mac or h.has_xxh:
+    if h.tagged:
         tag = h.tag or bytes(TAG_BYTES)
         if len(tag) != TAG_BYTES:
             raise LocalProtocolError(f"tag of {len(tag)} bytes, the header holds {TAG_BYTES}")
         tail = _TAIL.unpack(tag)
     else:
         tail = (h.crc, h.meta_crc, 0, 0)
-    flags = (FLAG_CRC if h.has_crc else 0) | (FLAG_MAC if h.has_mac else 0) | (FLAG_XXH if h.has_xxh else 0)
+    flags = (FLAG_CRC if h.has_crc else 0) | (FLAG_MAC if h.has_mac else 0) | (FLAG_XXH if h.has_xxh else 0) \
+        | (FLAG_B3 if h.has_b3 else 0)
     return HEADER.pack(MAGIC, VERSION, int(h.kind), flags, 0, h.transfer_id, h.seq, h.nchunks, h.offset, h.length,
                        h.meta_len, h.total, *tail)
 
@@ -175,10 +199,10 @@ def decode_header(buf: bytes) -> Header:
         raise RemoteProtocolError(f"header version {version}, this side speaks {VERSION}")
     if kind not in HeaderKind.__members__.values():
         raise RemoteProtocolError(f"unknown header kind {kind}")
-    if flags & ~(FLAG_CRC | FLAG_MAC | FLAG_XXH) or flags not in (0, FLAG_CRC, FLAG_MAC, FLAG_XXH):
+    if flags not in (0, FLAG_CRC, FLAG_MAC, FLAG_XXH, FLAG_B3):
         raise RemoteProtocolError(f"header field 'flags' = {flags:#x}: unknown bits, or more than one checksum at once")
-    has_mac, has_xxh = bool(flags & FLAG_MAC), bool(flags & FLAG_XXH)
-    if reserved or (not (has_mac or has_xxh) and (r2 or r3)):
+    has_mac, has_xxh, has_b3 = bool(flags & FLAG_MAC), bool(flags & FLAG_XXH), bool(flags & FLAG_B3)
+    if reserved or (not (has_mac or has_xxh or has_b3) and (r2 or r3)):
         raise RemoteProtocolError("header reserved fields are not zero")
     if nchunks < 1 or seq >= nchunks:
         raise RemoteProtocolError(f"chunk {seq} of {nchunks}: out of range")
@@ -188,26 +212,50 @@ def decode_header(buf: bytes) -> Header:
         raise RemoteProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META}")
     if meta_len and seq != 0:
         raise RemoteProtocolError("metadata on a chunk other than chunk 0")
-    if has_mac or has_xxh:
+    if has_mac or has_xxh or has_b3:
         return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, 0, 0, False, has_mac,
-                      bytes(buf[HEADER_FIELDS_BYTES:HEADER.size]), has_xxh)
-    return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc, bool(flags & FLAG_CRC))
+                      bytes(buf[HEADER_FIELDS_BYTES:HEADER.size]), has_xxh, has_b3)
+    return Header(HeaderKind(kind), tid, seq, nchunks, offset, length, meta_len, total, crc, meta_crc,
+                  bool(flags & FLAG_CRC))
 
 
-def encode_ctrl(c: Ctrl) -> bytes:
+def _ctrl_tag(key: bytes, number: int, frame: bytes) -> bytes:
+    return hashlib.blake2b(number.to_bytes(8, "big") + frame, key=key, digest_size=TAG_BYTES).digest()
+
+
+def encode_ctrl(c: Ctrl, key: bytes = b"", number: int = 0) -> bytes:
+    """The frame of `c`; with `key` (this direction's control key), sealed as the `number`-th frame this
+    side sends on the connection."""
     reason = c.reason.encode()[:MAX_REASON]
-    return CTRL.pack(MAGIC, VERSION, int(c.kind), 0, len(reason), c.transfer_id, c.value, c.aux) + reason
+    frame = CTRL.pack(MAGIC, VERSION, int(c.kind), CTRL_FLAG_MAC if key else 0, len(reason), c.transfer_id, c.value,
+                      c.aux) + reason
+    return frame + _ctrl_tag(key, number, frame) if key else frame
 
 
-def decode_ctrl(buf: bytes) -> Ctrl:
+def decode_ctrl(buf: bytes, key: bytes = b"", number: int = 0) -> Ctrl:
+    """Parse and validate a control frame; with `key` (the peer's direction), check that it is the peer's
+    `number`-th frame, unaltered. Anything else is a RemoteProtocolError naming the problem."""
     if len(buf) < CTRL.size:
         raise RemoteProtocolError(f"control frame of {len(buf)} bytes, need {CTRL.size}")
-    magic, version, kind, _, rlen, tid, value, aux = CTRL.unpack_from(buf)
+    magic, version, kind, flags, rlen, tid, value, aux = CTRL.unpack_from(buf)
     if magic != MAGIC or version != VERSION:
         raise RemoteProtocolError(f"bad control frame (magic {magic:#06x}, version {version})")
-    if kind not in CtrlKind.__members__.values():
-        raise RemoteProtocolError(f"unknown control kind {kind}")
+    if flags not in (0, CTRL_FLAG_MAC):
+        raise RemoteProtocolError(f"control frame field 'flags' = {flags:#x}: unknown bits")
     if rlen > MAX_REASON or CTRL.size + rlen > len(buf):
         raise RemoteProtocolError(f"control frame reason of {rlen} bytes does not fit")
+    if key:
+        end = CTRL.size + rlen
+        if not flags & CTRL_FLAG_MAC or len(buf) != end + TAG_BYTES:
+            raise RemoteProtocolError(f"control frame #{number} carries no MAC, though this connection is "
+                                      f"authenticated: forged or altered on the way")
+        if not hmac.compare_digest(bytes(buf[end:]), _ctrl_tag(key, number, bytes(buf[:end]))):
+            raise RemoteProtocolError(f"control frame #{number} fails its MAC: altered, forged, replayed or "
+                                      f"reordered on the way, or a frame before it was dropped")
+    elif flags & CTRL_FLAG_MAC:
+        raise RemoteProtocolError("control frame carries a MAC, though this connection has no session key "
+                                  "(one side authenticated, the other not)")
+    if kind not in CtrlKind.__members__.values():
+        raise RemoteProtocolError(f"unknown control kind {kind}")
     reason = bytes(buf[CTRL.size:CTRL.size + rlen]).decode("utf-8", "replace")
     return Ctrl(CtrlKind(kind), tid, value, aux, reason)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from typing import List, Optional, Set, Union
+from typing import List, Optional, Protocol, Set, Union
 
 from ..errors import ConfigError, LocalProtocolError, PayloadTooLarge, RemoteProtocolError
 
@@ -16,6 +16,28 @@ NOMINAL_RATE_BPS = 10e9
 LINK_ENABLE_FROM_BPS = 4e9
 #: the Link-Enable chunk: one page, cheap enough to bring the path up before the bulk follows
 LINK_ENABLE_BYTES = 4096
+
+
+class PathTraits(Protocol):
+    """What the policy reads of a connection's data path: easypyverbs' DataPath, which its provider reports (the
+    policy never asks which provider it is)."""
+
+    @property
+    def paced_by_nic(self) -> bool:
+        """A NIC sends the bytes at line rate and completes each one round trip after its post."""
+
+    @property
+    def paced_by_tcp(self) -> bool:
+        """The bytes cross a TCP stream paced by nothing but TCP (no NIC, no emulated link)."""
+
+    @property
+    def has_link(self) -> bool:
+        """A link lies between the ends that a first small transfer may bring up (not a TCP stream, which is up
+        since connect, nor a copy on one host)."""
+
+    @property
+    def same_host(self) -> bool:
+        """The payload is a copy between two processes of one host."""
 
 
 class Mode(str, enum.Enum):
@@ -56,16 +78,35 @@ def slot_room(wanted: int, max_payload_bytes: int) -> int:
     return min(max_payload_bytes, -(-wanted // GROW_GRANULE_BYTES) * GROW_GRANULE_BYTES)
 
 
-#: how many bandwidth-delay products the automatic window keeps in flight, per provider. A real RC QP
-#: needs one: the NIC sends at line rate and a completion comes one RTT after its post. The soft
-#: provider runs each QP over a TCP connection, whose congestion control (BBR or CUBIC) holds an
-#: app-limited stream below the link's rate: on the WAN testbed (64 KiB chunks, medians of 3, eval link
-#: --study window) fedrdma-e reached 48 / 76 / 94 Mbit/s of 100 at 1 / 4 / 6 BDP in flight (100 Mbit/s x
-#: 20 ms), and 31 / 46 of 50 at 2 / 3 BDP (50 Mbit/s x 80 ms), one TCP stream 92 and 40. Chunks in
-#: flight cost no memory in FedRDMA-E (they are written in place) and FedRDMA's are bounded by the
-#: peer's staging credits, so the soft provider keeps 6.
-WINDOW_BDPS = {"soft": 6.0}
+#: how long a transfer waits for a slot in use that has room, per GiB of payload, before it grows a
+#: free slot instead (about what faulting that much fresh memory in costs on a small VM)
+ROOM_WAIT_S_PER_GIB = 0.5
+
+
+def wait_for_room(waited_s: float, total: int) -> bool:
+    """Does a `total`-byte payload that has waited `waited_s` for a slot still wait for one in use that has
+    room (SlotRing.acquire's `wait_for_room`)? Such a slot comes back within a release and a CREDIT, while
+    growing another faults that much fresh memory in: it waits up to about what that would cost."""
+    return waited_s < ROOM_WAIT_S_PER_GIB * total / (1 << 30)
+
+
+def may_lend(lent: int, nslots: int, budget_free_bytes: int, slot_bytes: int) -> bool:
+    """May the application keep one more of a pool's `nslots` slots in place (`lent` are)? Yes while another
+    slot stays in circulation (all but one may be lent, so transfers always progress) and the memory budget
+    (`budget_free_bytes` left to this peer: the less of what is left of its part and of the whole) could grow
+    that one as large as this one's `slot_bytes` (else a copy, and the slot goes back at once: the sender's
+    next payload of this size is not refused for want of room)."""
+    return lent + 1 < nslots and budget_free_bytes >= slot_bytes
+
+
+#: how many bandwidth-delay products the automatic window keeps in flight. A path paced by a NIC needs
+#: one: it sends at line rate and a completion comes one RTT after its post. An emulated path runs each
+#: QP over a TCP connection, whose congestion control (BBR or CUBIC) holds an app-limited stream below
+#: the link's rate unless several BDPs are in flight (`eval link --study window`; docs/RESULTS.md
+#: has the figures). Chunks in flight cost no memory in FedRDMA-E (they are written in place) and
+#: FedRDMA's are bounded by the peer's staging credits, so an emulated path keeps 6.
 DEFAULT_WINDOW_BDPS = 1.0
+SOFTWARE_WINDOW_BDPS = 6.0
 
 
 def auto_window(rate_bps: float, rtt_s: float, chunk_bytes: int, min_window: int, max_window: int,
@@ -79,23 +120,24 @@ def auto_window(rate_bps: float, rtt_s: float, chunk_bytes: int, min_window: int
     return max(min_window, min(max_window, int(-(-bdp_bytes // chunk_bytes)) + 1))
 
 
-def window_bdps(provider: str) -> float:
-    """The bandwidth-delay products the automatic window fills on `provider` (WINDOW_BDPS)."""
-    return WINDOW_BDPS.get(provider, DEFAULT_WINDOW_BDPS)
+def window_bdps(path: PathTraits) -> float:
+    """The bandwidth-delay products the automatic window fills on `path`: one where a NIC paces it, else
+    SOFTWARE_WINDOW_BDPS."""
+    return DEFAULT_WINDOW_BDPS if path.paced_by_nic else SOFTWARE_WINDOW_BDPS
 
 
-def path_rate_bps(configured_bps: Optional[float], link_model: object) -> float:
-    """The rate the window and Link-Enable assume for a path: the configured one, else the soft link
-    model's, else NOMINAL_RATE_BPS."""
-    return configured_bps or getattr(link_model, "rate_bps", None) or NOMINAL_RATE_BPS
+def path_rate_bps(configured_bps: Optional[float], link_rate_bps: Optional[float]) -> float:
+    """The rate the window and Link-Enable assume for a path: the configured one, else its emulated link's
+    (Context.link_rate_bps), else NOMINAL_RATE_BPS."""
+    return configured_bps or link_rate_bps or NOMINAL_RATE_BPS
 
 
 def window_for(window: Union[int, str], rate_bps: float, rtt_s: float, chunk_bytes: int, min_window: int,
-               max_window: int, provider: str) -> int:
-    """Chunks in flight: the configured number, or under "auto" auto_window with `provider`'s BDPs."""
+               max_window: int, path: PathTraits) -> int:
+    """Chunks in flight: the configured number, or under "auto" auto_window with `path`'s BDPs."""
     if isinstance(window, int):
         return window
-    return auto_window(rate_bps, rtt_s, chunk_bytes, min_window, max_window, window_bdps(provider))
+    return auto_window(rate_bps, rtt_s, chunk_bytes, min_window, max_window, window_bdps(path))
 
 
 #: qps_per_peer "auto": how many QPs are set up, and from which measured RTT all of them are used
@@ -106,11 +148,9 @@ LONG_PATH_RTT_S = 0.010
 def auto_qps(rtt_s: float, available: int) -> int:
     """QPs to stripe chunks over under qps_per_peer "auto": one on a short path (loopback, one site:
     extra streams only add threads), all `available` on a long one. What this buys is fairness between
-    clients that share a link (eval fairness, 50 Mbit/s x 20 ms, bbr: a median gap of 6.8 % with four
-    against 16.5 % with one, 2026-11-26), for 2-3 % less aggregate rate. It no longer buys throughput
-    on a lossy long link: with the 6-BDP automatic window one QP was the fastest there (eval link
-    --study qps, 100 Mbit/s x 80 ms, 1 % loss, bbr: 1 / 2 / 4 QPs 85 / 73 / 63 Mbit/s, 2026-11-26;
-    29 / 43 / 48 with the old one-BDP window, 2026-11-23)."""
+    clients that share a link (`eval fairness`: a smaller gap between clients with four than with one),
+    for a few per cent less aggregate rate. It no longer buys throughput on a lossy long link: with the
+    6-BDP automatic window one QP was the fastest there (`eval link --study qps`; docs/RESULTS.md)."""
     return max(1, available) if rtt_s >= LONG_PATH_RTT_S else 1
 
 
@@ -145,32 +185,30 @@ def qps_in_use(setting: Union[int, str], rtt_s: Optional[float], available: int)
 
 def slot_chunk_bytes(chunk_bytes: int, same_host_chunk_bytes: int, same_host: bool,
                      tcp_chunk_bytes: int = 0, short_tcp: bool = False) -> int:
-    """The chunk FedRDMA-E writes into a slot: chunk_bytes; on a same-host path (the soft provider's
-    process_vm_readv copy) same_host_chunk_bytes if larger, and on a short path over the soft provider's TCP
-    (`short_tcp`: short_tcp_path) tcp_chunk_bytes if larger. On both a chunk is only a unit of a copy or of a
-    TCP write and costs a request, an answer, thread switches and ~0.2 ms of Python at the sender (perf), which only
-    a fast path feels: 1 GiB warm, 2 cores, checksum none, same host: 4 MiB chunks 0.18 s, 16 MiB 0.13 s,
-    64 MiB 0.12 s; over loopback TCP against raw TCP (`bench transfer`, medians of 9 pairs, 2026-11-29):
-    4 MiB 0.86 / 0.87 x, 16 MiB 0.98 / 0.95 / 0.94 / 0.95 x, 32 MiB 0.97 / 1.01 x. (FedRDMA's chunk stays
-    chunk_bytes: the peer's staging buffers hold one each; an RDMA device, the link model and a long path
-    keep the paper's chunk.)"""
+    """The chunk FedRDMA-E writes into a slot: chunk_bytes; on a same-host path (`same_host`: a copy between
+    two processes) same_host_chunk_bytes if larger, and on a short path paced by TCP alone (`short_tcp`:
+    short_tcp_path) tcp_chunk_bytes if larger. On both a chunk is only a unit of a copy or of a
+    TCP write and costs a request, an answer, thread switches and Python time at the sender, which only
+    a fast path feels (`bench transfer`, docs/benchmarks.md). (FedRDMA's chunk stays
+    chunk_bytes: the peer's staging buffers hold one each; a NIC, an emulated link and a long path keep the
+    paper's chunk.)"""
     if same_host:
         return max(chunk_bytes, same_host_chunk_bytes)
     return max(chunk_bytes, tcp_chunk_bytes) if short_tcp else chunk_bytes
 
 
-def short_tcp_path(soft_tcp: bool, rtt_s: Optional[float]) -> bool:
-    """Is a connection over the soft provider's TCP streams with no link model (`soft_tcp`) a short path,
+def short_tcp_path(paced_by_tcp: bool, rtt_s: Optional[float]) -> bool:
+    """Is a connection paced by TCP alone (`paced_by_tcp`: PathTraits; no NIC, no emulated link) a short path,
     measured (`rtt_s`, None until the probe has) below LONG_PATH_RTT_S: a LAN or this host, where a chunk's
     CPU shows. On a long one the wire's time per chunk dwarfs it, and a larger chunk would only make progress
     (and the no-progress deadline) coarser on a slow link."""
-    return soft_tcp and rtt_s is not None and rtt_s < LONG_PATH_RTT_S
+    return paced_by_tcp and rtt_s is not None and rtt_s < LONG_PATH_RTT_S
 
 
 def first_chunk_bytes(link_enable: object, rate_bps: float, no_link: bool = False) -> int:
     """Link-Enable's first chunk size (0 = off); `link_enable` is True, False or "auto". "auto" is off where
-    the path has no link to bring up (`no_link`): the soft provider's copy between processes of one host, and
-    its TCP streams without its link model (TCP was up since connect; the WAN testbed showed no effect,
+    the path has no link to bring up (`no_link`: not PathTraits.has_link): a copy between processes of one
+    host, and TCP streams without an emulated link (TCP was up since connect; the WAN testbed showed no effect,
     docs/RESULTS.md section 3). There the small chunk only costs a WRITE of its own and, where WRITEs are
     digested as they land, the payload's last integrity block hashed again from memory (a small message's
     only block: a LoRA upload's whole payload)."""

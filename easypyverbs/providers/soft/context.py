@@ -1,7 +1,7 @@
-"""Soft provider: context (the emulated NIC), PD, MR and CQ."""
+"""Soft provider: context (the emulated NIC), PD and MR (the CQ: cq.py; the QP: qp.py)."""
 from __future__ import annotations
 
-import collections
+import errno
 import hmac
 import logging
 import os
@@ -9,18 +9,22 @@ import secrets
 import socket
 import struct
 import threading
-import time
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ... import stalls
+from ...admission import Admission, is_loopback
+from ...bootstrap import source_address
 from ...api import CQ, MR, PD, QP, SOFT_LABEL, Context
 from ...enums import Access
 from ...errors import EasyVerbsError, UsageError
 from ...tls import TLS_RECORD_HANDSHAKE, MutualTLS, TLSStream, first_byte, handshake
-from ...types import WC, DeviceInfo, PortInfo, QPCap
+from ...types import DeviceInfo, PortInfo, QPCap
 from . import samehost, shm, wire
+from .cq import SoftCQ
 from .link import Link, LinkModel
 from .landing import WriteDigests
+from .port import Attachable
+from .qp import SoftQP
 
 log = logging.getLogger("easypyverbs.soft")
 
@@ -28,12 +32,31 @@ log = logging.getLogger("easypyverbs.soft")
 KEY_BATCH = 256
 
 
+def _listen(host: str, ports: Optional[Tuple[int, int]]) -> socket.socket:
+    """The NIC's data listener on `host`: the first free port of `ports` (low, high, inclusive), else any."""
+    if ports is None:
+        return socket.create_server((host, 0), backlog=128)
+    low, high = ports
+    if not 0 < low <= high < 65536:
+        raise UsageError(f"soft NIC data ports must be a range within 1-65535, got {low}-{high}")
+    for port in range(low, high + 1):
+        try:
+            return socket.create_server((host, port), backlog=128)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise EasyVerbsError(f"soft NIC: cannot listen on {host}:{port}: {exc}", exc.errno) from exc
+    raise EasyVerbsError(f"soft NIC: every data port of {low}-{high} on {host} is in use ({high - low + 1} port(s), "
+                         f"one per process with an endpoint at once); widen the range (soft_data_ports)",
+                         errno.EADDRINUSE)
+
+
 class SoftContext(Context):
     """An emulated NIC: a TCP listener that peers' QPs dial, plus the MR and QP tables."""
 
     provider = "soft"
     emulated = True
-    tracks_writes = True
+    tracks_writes = True  # (its MRs: capabilities.PlacesWrites)
+    pins_memory = False  # (the emulated NIC reads and writes the memory as this process does)
 
     def __init__(
         self,
@@ -49,7 +72,12 @@ class SoftContext(Context):
         same_host: Optional[bool] = None,
         # mutual TLS on every data connection, both ways (links that are not private); None = plaintext
         tls: Optional[MutualTLS] = None,
+        # the caller's expected peers (the job's parties): admitted ahead of strangers (easypyverbs.admission)
+        known_sources: Optional[Callable[[str], bool]] = None,
+        # the data listener's port: the first free one of (low, high), for a firewall's rules; None = any
+        ports: Optional[Tuple[int, int]] = None,
     ) -> None:
+        self._listener = _listen(bind_host, ports)  # (first: a NIC that cannot listen is not opened at all)
         super().__init__("soft0")
         self.tls = tls
         self.link_model = link or LinkModel()
@@ -65,15 +93,21 @@ class SoftContext(Context):
         stalls.ensure_watching()  # the receive-queue wait counts no time this process was held (stalls.py)
         self.retry_timeout_s = retry_timeout_s
         self._lock = threading.Lock()
-        self._hellos = threading.BoundedSemaphore(64)  # data connections being attached at once
+        # data connections being attached at once (easypyverbs.admission): strangers 32, one address 8 of them
+        # (on loopback, one address for every local process: all), and 32 more for the hosts whose dials a QP
+        # awaits or that attached a QP before, which a flood from any number of addresses cannot take
+        self._known_hosts: Set[str] = set()
+        self._known_sources = known_sources
+        self._hellos = Admission(32, 32 if is_loopback(bind_host) else 8, self._expected, 32)
         self._mrs: Dict[int, Optional["SoftMR"]] = {}  # rkey -> MR (None: reserved, being registered)
         self._keys: List[int] = []  # unused random rkeys (_new_key), drawn by process _keys_pid
         self._keys_pid = 0
-        self._qps: Dict[int, QP] = {}
+        self._qps: Dict[int, Attachable] = {}
         self._next_qpn = 0x100 + secrets.randbelow(0x1000)
-        self._listener = socket.create_server((bind_host, 0), backlog=128)
         port = self._listener.getsockname()[1]
         self.nic_address = f"{advertise_host or bind_host}:{port}"
+        #: where this NIC's QPs dial their peers from (bootstrap.source_address)
+        self.source = source_address(bind_host)
         self._acceptor = threading.Thread(target=self._accept_loop, name="soft-nic-accept", daemon=True)
         self._acceptor.start()
         log.info("opened %s at %s (link: %s)%s", SOFT_LABEL, self.nic_address, self.link_model.describe(),
@@ -135,7 +169,7 @@ class SoftContext(Context):
         with self._lock:
             return self._mrs.get(rkey)
 
-    def add_qp(self, qp: QP) -> int:
+    def add_qp(self, qp: Attachable) -> int:
         with self._lock:
             qpn = self._next_qpn
             self._next_qpn = (self._next_qpn + 1) & 0xFFFFFF or 1
@@ -153,10 +187,25 @@ class SoftContext(Context):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # listener closed
-            if not self._hellos.acquire(blocking=False):  # bounded: no thread per stranger
+            try:
+                source = str(sock.getpeername()[0])
+            except OSError:
                 sock.close()
                 continue
-            threading.Thread(target=self._handshake, args=(sock,), name="soft-nic-hello", daemon=True).start()
+            done = self._hellos.admit(source)
+            if done is None:  # bounded: no thread per stranger
+                sock.close()
+                continue
+            threading.Thread(target=self._handshake, args=(sock, source, done), name="soft-nic-hello",
+                             daemon=True).start()
+
+    def _expected(self, source: str) -> bool:
+        """A host that attached a QP here before, or whose dial a QP awaits."""
+        if source in self._known_hosts or (self._known_sources is not None and self._known_sources(source)):
+            return True
+        with self._lock:
+            qps = list(self._qps.values())
+        return any(qp.awaits_host == source for qp in qps)
 
     def _tls_accept(self, sock: socket.socket, timeout_s: float) -> TLSStream:
         """The TLS side of an accepted connection; a plaintext HELLO is answered HELLO_TLS_REQUIRED (in
@@ -171,7 +220,7 @@ class SoftContext(Context):
         except (OSError, TimeoutError) as exc:
             raise EasyVerbsError(f"TLS handshake failed: {exc}") from exc
 
-    def _handshake(self, sock: Any) -> None:
+    def _handshake(self, sock: Any, source: str, done: Callable[[], None]) -> None:
         try:
             sock.settimeout(5.0)
             if self.tls is not None:
@@ -186,7 +235,7 @@ class SoftContext(Context):
             with self._lock:
                 qp = self._qps.get(dst_qpn)
             status = wire.HELLO_OK if qp is not None else wire.HELLO_NO_QP
-            if qp is not None and not hmac.compare_digest(token, qp.token):  # type: ignore[attr-defined]
+            if qp is not None and not hmac.compare_digest(token, qp.token):
                 status = wire.HELLO_BAD_TOKEN
             pull_pid = 0
             if (status == wire.HELLO_OK and flags & wire.FLAG_SAME_HOST and self.same_host and fwd_delay_us == 0
@@ -198,11 +247,15 @@ class SoftContext(Context):
             # answers deferred (wire.py): a plain socket, answers not delayed by a link model
             defer = bool(flags & wire.FLAG_DEFER_ACK and self.tls is None and fwd_delay_us == 0 and self.link is None
                          and wire.defer_ack_enabled())
-            if status == wire.HELLO_OK and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6,  # type: ignore[union-attr]
-                                                                   pull_pid, push, defer):
+            # (HELLO_OK: `qp` is not None)
+            if status == wire.HELLO_OK and qp is not None \
+                    and not qp.attach_responder(sock, src_qpn, psn, fwd_delay_us / 1e6, pull_pid, push, defer):
                 status = wire.HELLO_BUSY
-            reply_flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if push else 0)) if pull_pid and status == wire.HELLO_OK else 0
-            reply_flags |= wire.FLAG_DEFER_ACK if defer and status == wire.HELLO_OK else 0
+            ok = status == wire.HELLO_OK
+            if ok and len(self._known_hosts) < 1024:
+                self._known_hosts.add(source)
+            reply_flags = (wire.FLAG_SAME_HOST | (wire.FLAG_PUSH if push else 0)) if pull_pid and ok else 0
+            reply_flags |= wire.FLAG_DEFER_ACK if defer and ok else 0
             sock.sendall(wire.HELLO_REPLY.pack(wire.HELLO_MAGIC, wire.VERSION, 2, status, reply_flags))
             if status != wire.HELLO_OK:
                 sock.close()
@@ -214,7 +267,7 @@ class SoftContext(Context):
             log.warning("soft NIC %s: rejected a connection: %s", self.nic_address, exc)
             sock.close()
         finally:
-            self._hellos.release()
+            done()
 
     # -- verbs ----------------------------------------------------------------------------------
     def _alloc_pd(self) -> PD:
@@ -233,6 +286,10 @@ class SoftContext(Context):
     def max_msg_bytes(self) -> int:
         return self._max_msg_bytes
 
+    @property
+    def link_rate_bps(self) -> Optional[float]:
+        return self.link_model.rate_bps
+
     def _close_impl(self) -> None:
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
@@ -243,22 +300,25 @@ class SoftContext(Context):
 
 
 class _SoftPD(PD):
+    ctx: SoftContext
+
     def _reg_mr(self, buffer: Any, view: memoryview, access: Access, revocable: bool = False) -> MR:
         # (every soft MR is revocable: SoftMR.revoke_remote, rekey)
-        ctx: SoftContext = self.ctx  # type: ignore[assignment]
-        return ctx.register_mr(lambda key: SoftMR(self, buffer, view, access, key, key))
+        return self.ctx.register_mr(lambda key: SoftMR(self, buffer, view, access, key, key))
 
     def _create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
-        from .qp import SoftQP
-
-        return SoftQP(self, send_cq, recv_cq, cap)
+        return SoftQP(self, send_cq, recv_cq, cap, self.ctx)
 
 
 class SoftMR(MR):
     """A soft MR. Like a NIC's, its deregistration is final for remote access: a WRITE the emulated NIC
     is placing into it when it is closed finishes before `close` returns (the NIC completes or fails
     in-flight DMA before the deregistration completes), and no byte lands after that. The wait is
-    bounded by the QP's receive timeout (a peer that stalls mid-WRITE fails its QP)."""
+    bounded by the QP's receive timeout (a peer that stalls mid-WRITE fails its QP). The emulated NIC
+    places the peer's WRITEs itself, so it is a capabilities.PlacesWrites: `track_writes`,
+    `placing_after_close`."""
+
+    pd: _SoftPD
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -317,8 +377,9 @@ class SoftMR(MR):
     def rekey(self) -> int:
         self._check_open()
         if not self._revoked:
-            raise UsageError(f"soft MR rkey {self.rkey:#x}: rekey needs its remote access revoked first (revoke_remote)")
-        key = self.pd.ctx.rekey_mr(self)  # type: ignore[attr-defined]
+            raise UsageError(f"soft MR rkey {self.rkey:#x}: rekey needs its remote access revoked first "
+                             f"(revoke_remote)")
+        key = self.pd.ctx.rekey_mr(self)
         with self._remote:
             self.lkey = self.rkey = key
             self._revoked = False
@@ -327,7 +388,7 @@ class SoftMR(MR):
     def _stop_remote(self) -> None:
         """No remote request under the current key from now on; returns once none is being placed (within the
         close bound: past it, `placing_after_close`)."""
-        self.pd.ctx.remove_mr(self)  # type: ignore[attr-defined]
+        self.pd.ctx.remove_mr(self)
         bound = self._bound()
         with self._remote:
             self._revoked = True
@@ -343,69 +404,3 @@ class SoftMR(MR):
     def _close_impl(self) -> None:
         self._stop_remote()
         super()._close_impl()
-
-
-class SoftCQ(CQ):
-    """Completions in a deque; a condition variable wakes waiters (no busy polling).
-
-    `on_arrival` (this provider only): a callable that the emulated NIC's thread which completed work calls
-    once its completions of a request (or a cumulative ACK) are queued and its answer is on the wire, so that
-    a consumer may handle them in that thread (no wake-up of its own: a thread hand-off less per completion);
-    it returns True if it did, else waiters are woken as without it. It must not block."""
-
-    on_arrival: Optional[Callable[[], bool]] = None
-
-    def __init__(self, ctx: Context, cqe: int) -> None:
-        super().__init__(ctx, cqe)
-        self._q: Deque[WC] = collections.deque()
-        self._cv = threading.Condition()
-        self._overrun = False
-
-    def push(self, wc: WC, defer: bool = False) -> None:
-        """Queue `wc`; `defer`: the pushing thread calls `arrived()` next (waiters are woken there)."""
-        with self._cv:
-            if len(self._q) >= self.cqe:
-                self._overrun = True  # like a real CQ overrun: fatal for the CQ
-                log.error("soft CQ overrun (cqe=%d): completion of wr_id %d lost", self.cqe, wc.wr_id)
-            else:
-                self._q.append(wc)
-            if not defer or self.on_arrival is None:
-                self._cv.notify_all()
-
-    def arrived(self) -> None:
-        """After `push(..., defer=True)`: let `on_arrival` handle the queue here, or wake the waiters."""
-        hook = self.on_arrival
-        if hook is not None and not hook():
-            self._notify()
-
-    def _take(self, n: int) -> List[WC]:
-        if self._overrun:
-            raise EasyVerbsError(f"CQ overrun: more than {self.cqe} completions were not polled")
-        return [self._q.popleft() for _ in range(min(n, len(self._q)))]
-
-    def _poll(self, max_entries: int) -> List[WC]:
-        with self._cv:
-            return self._take(max_entries)
-
-    def _wait(self, timeout_s: float, max_entries: int) -> List[WC]:
-        from ...errors import PollTimeout
-
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while not self._q and not self._overrun and not self.closed:
-                if self._woken:
-                    self._woken = False
-                    return []
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PollTimeout(f"no completion within {timeout_s:.3f} s")
-                self._cv.wait(left)
-            self._check_open()
-            return self._take(max_entries)
-
-    def _notify(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
-
-    def _close_impl(self) -> None:
-        self._notify()

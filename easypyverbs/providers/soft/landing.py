@@ -24,9 +24,8 @@ log = logging.getLogger("easypyverbs.soft")
 PIECE_BYTES = 512 << 10
 #: read from a socket and digested at a time (and sent at a time where the sender digests as bytes leave,
 #: leave.py): each piece costs each end a few dozen lines of Python and a system call, and the piece is
-#: still in cache when it is digested; 1 GiB over loopback TCP with xxh3, 2 cores, seven alternations:
-#: 0.82-0.97 x raw TCP (median 0.947) with 1 MiB, 0.80-0.93 x (median 0.84) with 512 KiB, 0.85-0.90 x with
-#: 2 MiB (docs/FIGURES.md, 2026-11-30)
+#: still in cache when it is digested; 1 MiB did better than 512 KiB and 2 MiB over loopback TCP with xxh3
+#: (`bench transfer`, docs/benchmarks.md)
 TCP_PIECE_BYTES = 1 << 20
 
 

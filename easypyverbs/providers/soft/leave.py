@@ -7,7 +7,7 @@ alternations, 2-core test machine). Used by the requester's send thread (request
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from . import wire
 from .landing import TCP_PIECE_BYTES as LEAVE_PIECE_BYTES
@@ -21,7 +21,8 @@ class Leaving:
     __slots__ = ("views", "hook", "wr_id")
 
     def __init__(self, views: List[memoryview], hook: Callable[[int, memoryview], None], wr_id: int) -> None:
-        self.views, self.hook, self.wr_id = views, hook, wr_id
+        self.hook: Optional[Callable[[int, memoryview], None]] = hook
+        self.views, self.wr_id = views, wr_id
 
     def send(self, sock: Any, head: List[memoryview]) -> None:
         """Send `head` (the frames before it), then the payload: each piece to the hook, then the pieces seen

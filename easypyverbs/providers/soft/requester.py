@@ -1,19 +1,20 @@
 """Soft provider: the requester half of the RC queue pair (SoftQP).
 
-Posting (`_post`: a lone small WR leaves from the posting thread, as if the doorbell rang the wire;
-`QP.batch`: a list of WRs leaves together), the send thread (`_send_loop`: WRs in PSN order, the ones
-posted meanwhile in one vectored write, paced by the link model) and the ACK reader (`_ack_loop`:
-completes WRs in order, a cumulative ACK's at once). Uses SoftQP's queues, conditions and error handling,
-as the responder half (responder.py) does.
+Posting (`post`: a lone small WR leaves from the posting thread, as if the doorbell rang the wire;
+`QP.batch`: a list of WRs leaves together), the send thread (`send_loop`: WRs in PSN order, the ones
+posted meanwhile in one vectored write, paced by the link model) and the ACK reader (`ack_loop`:
+completes WRs in order, a cumulative ACK's at once). Uses the QP's lock, state and error handling through
+a port (port.py, QPPort), as the responder half (responder.py) does.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Set, Tuple, Union, cast
 
 from ...api import OPCODE_OF, SGE
 from ...buffers import address_of
@@ -22,6 +23,8 @@ from ...errors import EasyVerbsError, UsageError
 from ...types import WC
 from . import samehost, shm, wire
 from .leave import Leaving, send_out
+from .link import DelayLine
+from .port import QPPort
 from .responder import PSN_MASK, _OPS
 
 log = logging.getLogger("easypyverbs.soft")
@@ -35,7 +38,7 @@ SEND_BATCH_WRS = 64
 #: (2-core test machine, same runs)
 SEND_BATCH_BYTES = 1 << 20
 #: largest WR the posting thread writes to the wire itself when the requester is not streaming, and the
-#: fewest WRs in flight that count as a stream (`_post`): with at most 2 in flight, a window of 32
+#: fewest WRs in flight that count as a stream (`post`): with at most 2 in flight, a window of 32
 #: small WRITEs kept its batched rate in `bench verbs --quick --soft-path tcp` (4 KiB: 44k msgs/s
 #: against 46k; every WR from the posting thread: 24k), and a 0-byte transfer's round trip fell from
 #: 0.74 to 0.66 ms (medians over 8 A/B pairs of scratch runs, README; 2-core test machine)
@@ -65,22 +68,70 @@ class _WR:
 
 
 class Requester:
-    """The requester half of SoftQP."""
+    """The requester half of a SoftQP: its send queue, and its connection to the peer's NIC with the threads that
+    write to it and read its answers (uses the QP's lock, state and error handling through `qp`)."""
+
+    def __init__(self, qp: QPPort, psn: int) -> None:
+        """`psn`: the first request's."""
+        self.qp = qp
+        self.sock: Optional[Any] = None  # the connection to the peer's NIC: a socket, or a TLSStream with TLS on
+        self.pull = False  # the responder reads our payloads itself (same-host path)
+        self.ack_line: Optional[DelayLine] = None  # completions the link model delays
+        self.outstanding = 0  # WRs posted and not completed yet
+        self._next_psn = psn
+        self._send_q: Deque[_WR] = collections.deque()
+        self._inflight: Deque[_WR] = collections.deque()
+        self._tx_busy = False  # a thread is writing requests to the wire (only one does, in PSN order)
+        self._tail: Optional[List[memoryview]] = None  # a doorbell write's part that did not fit the socket
+        self._batch: Optional[List[_WR]] = None  # WRs posted inside QP.batch(), held until it ends
+        self._batch_owner = 0  # the thread that opened it
+        self._push = False  # a large WRITE into the responder's shared memory may be copied by us
+        self._push_regions: Optional[shm.PeerRegions] = None  # the responder's regions we write into
+        self._push_psn: Optional[int] = None  # the WRITE whose PUSH_AT the send thread waits for
+        self._push_at: Optional[Tuple[int, ...]] = None  # that PUSH_AT's body, once it came
+        self._push_later = False  # that PUSH_AT declined this WRITE only ("not this one")
+        self._defer_ack = False  # requests no completion waits for may be answered later (wire.py)
+        self._no_push_rkeys: Set[int] = set()  # rkeys the responder answered "no push here" for
+
+    def connected(self, sock: Any, pull: bool, push: bool, defer_ack: bool) -> None:
+        """The QP is connected (SoftQP._connect, under `qp.cv`): requests go on `sock`; `pull`: the responder
+        reads their payloads (same-host path); `push`: we may copy large WRITEs into its shared memory;
+        `defer_ack`: it may answer requests later."""
+        self.pull, self._push, self._defer_ack = pull, push, defer_ack
+        self.sock = sock
+
+    def awaits_answers(self) -> bool:
+        """(under `qp.cv`) Are requests in flight, awaiting the peer's answer?"""
+        return bool(self._inflight)
+
+    def flush(self) -> List[_WR]:
+        """(under `qp.cv`, the QP failing) The WRs not completed, oldest first, taken off the queues: they complete
+        with errors (SoftQP.enter_error)."""
+        self.drop_tail()
+        victims = list(self._inflight) + list(self._send_q)
+        self._inflight.clear()
+        self._send_q.clear()
+        self.outstanding -= len(victims)
+        return victims
+
+    def drop_tail(self) -> None:
+        """(under `qp.cv`) Forget a doorbell write's rest: its views would keep the MR's buffer exported."""
+        self._tail = None
 
     # -- posting --------------------------------------------------------------------------------
-    def _post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int, signaled: bool,
-              on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
+    def post(self, op: str, sges: List[SGE], raddr: Optional[int], rkey: int, imm: Optional[int], wr_id: int,
+              signaled: bool, on_leave: Optional[Callable[[int, memoryview], None]] = None) -> None:
         wr = _WR(wr_id, op, sges, raddr or 0, rkey, imm, signaled, on_leave)
-        with self._cv:
-            if self._outstanding >= self.cap.max_send_wr:
-                raise EasyVerbsError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)", 12)  # ENOMEM
-            self._outstanding += 1
+        with self.qp.cv:
+            if self.outstanding >= self.qp.cap.max_send_wr:
+                raise EasyVerbsError(f"send queue full ({self.qp.cap.max_send_wr} WRs outstanding)", 12)  # ENOMEM
+            self.outstanding += 1
             if self._batch is not None and self._batch_owner == threading.get_ident():
-                self._batch.append(wr)  # leaves with its batch (_end_batch)
+                self._batch.append(wr)  # leaves with its batch (end_batch)
                 return
             if not self._may_ring([wr]):
                 self._send_q.append(wr)
-                self._tx_cv.notify()
+                self.qp.tx_cv.notify()
                 return
             self._tx_busy = True
             self._number([wr])
@@ -94,30 +145,31 @@ class Requester:
         trip on this 2-core machine. A stream of WRs still goes through the send thread, which batches them
         into few writes. Never under a link model (each WR is paced) or TLS (a TLSStream takes no partial
         write)."""
-        return (len(wrs) <= DOORBELL_BATCH_WRS and all(w.length <= INLINE_SEND_BYTES and w.on_leave is None for w in wrs)
+        return (len(wrs) <= DOORBELL_BATCH_WRS
+                and all(w.length <= INLINE_SEND_BYTES and w.on_leave is None for w in wrs)
                 and len(self._inflight) < DOORBELL_INFLIGHT and not self._send_q and not self._tx_busy
-                and self._st == QPState.RTS and not self._closing and isinstance(self._req_sock, socket.socket)
-                and not self.ctx.link)  # type: ignore[attr-defined]
+                and self.qp.st == QPState.RTS and not self.qp.closing and isinstance(self.sock, socket.socket)
+                and not self.qp.nic.link)
 
-    def _begin_batch(self) -> None:
-        with self._cv:
+    def begin_batch(self) -> None:
+        with self.qp.cv:
             if self._batch is not None:
-                raise UsageError(f"QP {self.qpn} already has a batch of posts open (batches do not nest)")
+                raise UsageError(f"QP {self.qp.qpn} already has a batch of posts open (batches do not nest)")
             self._batch, self._batch_owner = [], threading.get_ident()
 
-    def _end_batch(self) -> None:
+    def end_batch(self) -> None:
         """Hand the batch's WRs on together: written by this thread (one write) if `_may_ring`, else queued
         for the send thread at once; on a QP that left RTS meanwhile, flushed as its queue was."""
-        with self._cv:
+        with self.qp.cv:
             batch, self._batch = self._batch or [], None
             if not batch:
                 return
-            live = self._st == QPState.RTS and not self._closing
+            live = self.qp.st == QPState.RTS and not self.qp.closing
             if not live:
-                self._outstanding -= len(batch)
+                self.outstanding -= len(batch)
             elif not self._may_ring(batch):
                 self._send_q.extend(batch)
-                self._tx_cv.notify()
+                self.qp.tx_cv.notify()
                 return
             else:
                 self._tx_busy = True
@@ -127,29 +179,30 @@ class Requester:
             return
         why = "the QP left RTS before its batch was handed on"
         for wr in batch:
-            wc = WC(wr.wr_id, WCStatus.WR_FLUSH_ERR, OPCODE_OF[wr.op], 0, None, self.qpn, reason=why)
-            self.send_cq.push(wc)  # type: ignore[attr-defined]
+            wc = WC(wr.wr_id, WCStatus.WR_FLUSH_ERR, OPCODE_OF[wr.op], 0, None, self.qp.qpn, reason=why)
+            self.qp.send_cq.push(wc)
 
     def _ring(self, wrs: List[_WR]) -> None:
         """Write `wrs` (numbered; this thread holds `_tx_busy`) to the wire from this thread; what the
         socket cannot take now goes to the send thread, before any other WR."""
-        sock = self._req_sock
-        bufs, broken, _ = self._frame(wrs)
+        sock = cast(socket.socket, self.sock)  # (_may_ring: a plain socket)
+        frames, broken, _ = self._frame(wrs)
+        bufs = cast(List[memoryview], frames)  # (_may_ring: no WR with an on_leave hook, so no Leaving)
         status = WCStatus.LOC_PROT_ERR  # if `broken`: its MR went away after posting
         try:
             rest = wire.send_without_waiting(sock, bufs) if bufs else []
         except OSError as exc:
             rest, broken, status = [], f"send to peer failed: {exc}", WCStatus.RETRY_EXC_ERR
         if broken is not None:  # nothing more goes on this QP (`_tx_busy` stays taken): it errors
-            self._fail(status, broken)
+            self.qp.fail(status, broken)
             return
-        with self._cv:
+        with self.qp.cv:
             if rest:  # the socket's buffer was full: the send thread writes the rest before any other WR
                 self._tail = rest
             else:
                 self._tx_busy = False
             if self._can_write():
-                self._tx_cv.notify()
+                self.qp.tx_cv.notify()
 
     # -- requester ------------------------------------------------------------------------------
     def _can_write(self) -> bool:
@@ -168,11 +221,11 @@ class Requester:
                          and len(self._inflight) < DOORBELL_INFLIGHT - 1)
             self._inflight.append(wr)
 
-    def _frame(self, batch: List[_WR]) -> Tuple[List[memoryview], Optional[str], float]:
-        """The requests of `batch` as iovecs, the reason a WR cannot go (the ones before it still
-        go), and when the link model frees the wire."""
-        link = self.ctx.link  # type: ignore[attr-defined]
-        bufs: List[memoryview] = []
+    def _frame(self, batch: List[_WR]) -> Tuple[List[Union[memoryview, Leaving]], Optional[str], float]:
+        """The requests of `batch` as iovecs (a WRITE with an `on_leave` hook as one Leaving: send_out), the
+        reason a WR cannot go (the ones before it still go), and when the link model frees the wire."""
+        link = self.qp.nic.link
+        bufs: List[Union[memoryview, Leaving]] = []
         free_at = now = time.monotonic()
         for wr in batch:
             try:
@@ -180,7 +233,7 @@ class Requester:
             except UsageError as exc:  # MR deregistered after posting
                 return bufs, f"wr {wr.wr_id}: {exc}", free_at
             opcode = _OPS[wr.op] | (wire.OP_HAS_IMM if wr.imm is not None else 0) | (wire.OP_NO_ACK if wr.no_ack else 0)
-            if self._pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
+            if self.pull and wr.op != "read":  # same-host path: name our bytes, the responder reads them
                 opcode |= wire.OP_PULL | (wire.OP_PUSH if self._pushes(wr) else 0)
                 spans = [(s.mr.addr + s.offset, s.length) for s in wr.sges if s.length]
                 region = shm.region_of(spans)
@@ -191,12 +244,12 @@ class Requester:
             bufs.append(memoryview(wire.REQ.pack(wire.REQ_MAGIC, wire.VERSION, opcode, wr.psn, wr.length, wr.raddr,
                                                  wr.rkey, wr.imm or 0, int((free_at - now) * 1e6))))
             if wr.on_leave is not None:  # (QP.post_write passes none on the same-host path)
-                bufs.append(Leaving(views, wr.on_leave, wr.wr_id))  # type: ignore[arg-type]
+                bufs.append(Leaving(views, wr.on_leave, wr.wr_id))
             else:
                 bufs.extend(views)
         return bufs, None, free_at
 
-    def _send_loop(self) -> None:
+    def send_loop(self) -> None:
         try:
             self._send_batches()
         finally:  # the push mappings' only user: unmapped as it ends
@@ -205,16 +258,16 @@ class Requester:
                 self._push_regions = None
 
     def _send_batches(self) -> None:
-        link = self.ctx.link  # type: ignore[attr-defined]
-        sock = self._req_sock
+        link = self.qp.nic.link
+        sock = self.sock
         assert sock is not None
         while True:
             batch: List[_WR] = []
             pushing: Optional[_WR] = None  # the batch's last WR where it is one to push
-            with self._cv:
-                while not self._can_write() and self._st == QPState.RTS and not self._closing:
-                    self._tx_cv.wait()
-                if self._st != QPState.RTS or not self._can_write():
+            with self.qp.cv:
+                while not self._can_write() and self.qp.st == QPState.RTS and not self.qp.closing:
+                    self.qp.tx_cv.wait()
+                if self.qp.st != QPState.RTS or not self._can_write():
                     return  # (closing: a doorbell write may still be under way, and it is the only writer)
                 tail, self._tail = self._tail, None
                 if tail is None:
@@ -236,62 +289,63 @@ class Requester:
             try:
                 send_out(sock, bufs)
             except OSError as exc:
-                self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
+                self.qp.fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
                 return
             if broken is not None:  # nothing after it goes (`_tx_busy` stays taken): the QP errors
-                self._fail(WCStatus.LOC_PROT_ERR, broken)
+                self.qp.fail(WCStatus.LOC_PROT_ERR, broken)
                 return
             if pushing is not None:
                 try:
                     self._await_push(sock, pushing)
                 except OSError as exc:
-                    self._fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
+                    self.qp.fail(WCStatus.RETRY_EXC_ERR, f"send to peer failed: {exc}")
                     return
-            with self._cv:
+            with self.qp.cv:
                 self._tx_busy = False
-                self._cv.notify_all()  # for whoever waits on `_cv` for the writer to let go (tests)
+                self.qp.cv.notify_all()  # for whoever waits on `qp.cv` for the writer to let go (tests)
             if link:  # the link stays busy until the last bit has left
                 pause = free_at - time.monotonic()
                 if pause > 0:
                     time.sleep(pause)
 
-    def _ack_loop(self) -> None:
-        sock = self._req_sock
+    def ack_loop(self) -> None:
+        sock = self.sock
         assert sock is not None
         hdr = memoryview(bytearray(wire.RESP.size))
         rd = wire.Reader(sock)  # the only reader of `sock`
-        delay = self.ctx.link_model.delay_s  # type: ignore[attr-defined]
+        delay = self.qp.nic.link_model.delay_s
         while True:
             try:
                 rd.read_into(hdr)
             except (socket.timeout, BlockingIOError):  # SO_RCVTIMEO expired: fine unless WRs wait
-                with self._cv:
-                    stalled = bool(self._inflight) and not self._closing
+                with self.qp.cv:
+                    stalled = bool(self._inflight) and not self.qp.closing
                 if stalled:
-                    self._fail(WCStatus.RETRY_EXC_ERR, "no response from peer within the retry timeout")
+                    self.qp.fail(WCStatus.RETRY_EXC_ERR, "no response from peer within the retry timeout")
                     return
                 continue
             except (OSError, wire.PeerClosed) as exc:
-                if not self._closing:
-                    with self._cv:
+                if not self.qp.closing:
+                    with self.qp.cv:
                         busy = bool(self._inflight or self._send_q)
-                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}" if busy else f"peer disconnected: {exc}")
+                    self.qp.fail(WCStatus.RETRY_EXC_ERR,
+                                 f"connection to peer lost: {exc}" if busy else f"peer disconnected: {exc}")
                 return
             magic, version, kind, psn, status, length = wire.RESP.unpack(hdr)
             if kind == wire.PUSH_AT and magic == wire.RESP_MAGIC and version == wire.VERSION:
                 try:
                     if not self._push_asked(rd, psn, length, delay, status == wire.PUSH_LATER):
-                        self._fail(WCStatus.BAD_RESP_ERR, "unexpected PUSH_AT from peer")
+                        self.qp.fail(WCStatus.BAD_RESP_ERR, "unexpected PUSH_AT from peer")
                         return
                 except (OSError, wire.PeerClosed) as exc:
-                    self._fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}")
+                    self.qp.fail(WCStatus.RETRY_EXC_ERR, f"connection to peer lost: {exc}")
                     return
                 continue
             # ACKs are cumulative (as on a real RC link): an answer for psn also acknowledges
             # every earlier request still in flight
             earlier: List[_WR] = []
             wr = None
-            with self._cv:
+            with self.qp.cv:
                 idx = next((i for i, w in enumerate(self._inflight) if w.psn == psn), None)
                 if idx is not None:
                     earlier = [self._inflight.popleft() for _ in range(idx)]
@@ -302,7 +356,7 @@ class Requester:
                     or kind not in (wire.ACK, wire.NAK, wire.READ_RESP) or status not in WCStatus.__members__.values():
                 if wr is not None:
                     self._finish([wr], WCStatus.BAD_RESP_ERR)
-                self._fail(WCStatus.BAD_RESP_ERR, "malformed or unexpected response from peer")
+                self.qp.fail(WCStatus.BAD_RESP_ERR, "malformed or unexpected response from peer")
                 return
             if kind == wire.READ_RESP:
                 try:
@@ -312,7 +366,7 @@ class Requester:
                         rd.read_into(s.view())
                 except (OSError, UsageError, wire.PeerClosed) as exc:
                     self._finish([wr], WCStatus.LOC_PROT_ERR if isinstance(exc, UsageError) else WCStatus.BAD_RESP_ERR)
-                    self._fail(WCStatus.WR_FLUSH_ERR, f"READ response failed: {exc}")
+                    self.qp.fail(WCStatus.WR_FLUSH_ERR, f"READ response failed: {exc}")
                     return
             self._complete_later([wr], WCStatus(status), delay)
 
@@ -334,13 +388,13 @@ class Requester:
             return False
         body = wire.PUSH_AT_BODY.unpack(rd.read(length)) if length else ()
         earlier: List[_WR] = []
-        with self._cv:
+        with self.qp.cv:
             idx = next((i for i, w in enumerate(self._inflight) if w.psn == psn), None)
             if self._push_psn != psn or idx is None:
                 return False
             earlier = [self._inflight.popleft() for _ in range(idx)]
             self._push_at, self._push_later = body, later and not body
-            self._tx_cv.notify_all()
+            self.qp.tx_cv.notify_all()
         if earlier:
             self._complete_later(earlier, WCStatus.SUCCESS, delay)
         return True
@@ -349,11 +403,12 @@ class Requester:
         """`wr` (a push-marked WRITE) has left: wait for the responder's PUSH_AT or its answer to `wr`, and
         after a PUSH_AT copy the payload in (or decline) and send PLACED. Bounded: the ack reader fails the
         QP when the peer answers nothing within the retry timeout, which ends the wait."""
-        with self._cv:  # (`_push_psn` was set when `wr` was numbered)
-            while (self._push_at is None and self._st == QPState.RTS and not self._closing
+        with self.qp.cv:  # (`_push_psn` was set when `wr` was numbered)
+            while (self._push_at is None and self.qp.st == QPState.RTS and not self.qp.closing
                    and any(w is wr for w in self._inflight)):
-                self._tx_cv.wait(1.0)  # (woken by the ack reader; the timeout only re-checks)
-            body, later, self._push_psn, self._push_at, self._push_later = self._push_at, self._push_later, None, None, False
+                self.qp.tx_cv.wait(1.0)  # (woken by the ack reader; the timeout only re-checks)
+            body, later = self._push_at, self._push_later
+            self._push_psn, self._push_at, self._push_later = None, None, False
         if not body:  # answered without a push (or the QP is failing), or "no push here": not for this rkey again
             if body is not None and not later:  # ("not this one": the next is offered again)
                 self._no_push(wr.rkey)
@@ -371,7 +426,7 @@ class Requester:
         mapped, pieces, views = target
         done = 0
         for remote, local in pieces:  # piece by piece, each announced: the responder digests it meanwhile
-            if self._st != QPState.RTS or self._closing:
+            if self.qp.st != QPState.RTS or self.qp.closing:
                 return  # this QP failed or closes: no piece more (a responder that failed first may still
                 # see one piece land after it let go of the MR: a connection that fails drops its slots)
             mapped.copy(remote, local)
@@ -393,9 +448,9 @@ class Requester:
                 return None
             regions = self._push_regions
             if regions is None or regions.pid != pid:
-                if not samehost.same_network_namespace(pid) or not samehost.peer_owns(pid, self._req_sock):
+                if not samehost.same_network_namespace(pid) or not samehost.peer_owns(pid, self.sock):
                     log.warning("soft QP %d: the peer named pid %d for a push, which does not hold its end of the "
-                                "connection; this QP pushes no more", self.qpn, pid)  # type: ignore[attr-defined]
+                                "connection; this QP pushes no more", self.qp.qpn, pid)
                     self._push = False
                     return None
                 if regions is not None:
@@ -408,32 +463,32 @@ class Requester:
             sizes = [min(PUSH_PIECE_BYTES, wr.length - o) for o in range(0, wr.length, PUSH_PIECE_BYTES)]
             return m, list(zip(samehost._split([(wr.raddr, wr.length)], sizes), samehost._split(local, sizes))), views
         except (OSError, ValueError, UsageError) as exc:
-            log.info("soft QP %d: push of wr %d declined: %s", self.qpn, wr.wr_id, exc)  # type: ignore[attr-defined]
+            log.info("soft QP %d: push of wr %d declined: %s", self.qp.qpn, wr.wr_id, exc)
             return None
 
     def _complete_later(self, wrs: List[_WR], st: WCStatus, delay: float) -> None:
         """Complete `wrs` (in order, all with `st`) now, or after the link model's return delay."""
-        if self._ack_line is not None:
-            self._ack_line.submit(time.monotonic() + delay, lambda: self._finish(wrs, st))
+        if self.ack_line is not None:
+            self.ack_line.submit(time.monotonic() + delay, lambda: self._finish(wrs, st))
         else:
             self._finish(wrs, st)
 
     def _finish(self, wrs: List[_WR], status: WCStatus) -> None:
-        with self._cv:  # once for a cumulative ACK's WRs, not once each
-            self._outstanding -= len(wrs)
-            self._cv.notify_all()
+        with self.qp.cv:  # once for a cumulative ACK's WRs, not once each
+            self.outstanding -= len(wrs)
+            self.qp.cv.notify_all()
             if self._push_psn is not None:  # the send thread waits for a push-marked WRITE's fate
-                self._tx_cv.notify_all()
+                self.qp.tx_cv.notify_all()
         if status != WCStatus.SUCCESS:
-            self._err_seen = True
+            self.qp.err_seen = True
         why = "" if status == WCStatus.SUCCESS else f"the peer answered {status.name}"
-        cq, qpn, ok = self.send_cq, self.qpn, status == WCStatus.SUCCESS
+        cq, qpn, ok = self.qp.send_cq, self.qp.qpn, status == WCStatus.SUCCESS
         pushed = False
         for wr in wrs:
             if not ok or wr.signaled:
-                cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, qpn, reason=why), defer=ok)  # type: ignore[attr-defined]
+                cq.push(WC(wr.wr_id, status, OPCODE_OF[wr.op], wr.length, None, qpn, reason=why), defer=ok)
                 pushed = True
         if ok and pushed:
-            cq.arrived()  # type: ignore[attr-defined]
+            cq.arrived()
         if status != WCStatus.SUCCESS:
-            self._enter_error(WCStatus.WR_FLUSH_ERR, f"wr {wrs[-1].wr_id} failed with {status.name}")
+            self.qp.enter_error(WCStatus.WR_FLUSH_ERR, f"wr {wrs[-1].wr_id} failed with {status.name}")

@@ -3,7 +3,8 @@
 One thread per QP reads the requester's frames, checks each request against the MR table (rkey, bounds,
 access) and the posted receives, places the bytes (from the socket, or with the same-host path straight
 from the requester's memory, samehost.py), and answers ACK/NAK, delayed by the link model if any.
-`SoftQP` (qp.py) mixes this in; the requester side and the QP's lifetime stay there.
+`SoftQP` (qp.py) has one `Responder` and one `Requester` (requester.py), and keeps the QP's state, posted
+receives and lifetime; each half sees it through a port (port.py, QPPort).
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union, cast
 
 from ...buffers import address_of
 from ...enums import Access, QPState, WCOpcode, WCStatus
@@ -22,6 +24,7 @@ from ...types import WC
 from . import samehost, shm, wire
 from .landing import Landing
 from .link import DelayLine
+from .port import QPPort, TargetMR
 
 #: answers to back-to-back WRITEs are coalesced (one cumulative ACK), but at least once per this many
 #: bytes: a sender whose window is counted in completed WRITEs must see them complete while it streams,
@@ -53,25 +56,48 @@ class ProtocolViolation(Exception):
 
 
 class Responder:
-    """The responder half of SoftQP (uses its queues, condition variable, CQs and error handling)."""
+    """The responder half of a SoftQP: its connection from the peer's requester, and the thread serving it (uses
+    the QP's posted receives, CQs and error handling through `qp`)."""
+
+    def __init__(self, qp: QPPort) -> None:
+        self.qp = qp
+        self.sock: Optional[Any] = None  # the peer's requester's connection: a socket, or a TLSStream with TLS on
+        self.resp_line: Optional[DelayLine] = None  # answers the link model delays
+        self._resp_lock = threading.Lock()
+        self._scratch: Optional[memoryview] = None
+        self._unacked_bytes = self._unacked_reqs = 0  # bytes and requests placed since the last answer
+        self._pull_pid = 0  # the requester's pid when we read its payloads (same-host path)
+        self._regions: Optional[shm.PeerRegions] = None  # the requester's shared regions mapped here
+        self._push_ok = False  # the requester may copy large WRITEs into our shared memory
+        self._defer_ok = False  # the requester's requests may carry OP_NO_ACK, and we may answer them later
+        self._owed_psn: Optional[int] = None  # the last request deferred (OP_NO_ACK), not answered yet
+        self._deferred = 0  # of `_unacked_reqs`, those that carried OP_NO_ACK
+
+    def attached(self, sock: Any, pull_pid: int = 0, push: bool = False, defer_ack: bool = False) -> None:
+        """The peer's requester dialed the QP (SoftQP.attach_responder, under `qp.cv`): `sock` is its connection."""
+        self._pull_pid = pull_pid
+        self._push_ok = bool(pull_pid and push)
+        self._defer_ok = defer_ack
+        self.sock = sock
 
     # -- responder ------------------------------------------------------------------------------
     def _take_recv(self) -> Optional[Any]:
         # on the clock without this process's holds: the receive it waits for is posted by a thread of this
         # process, which a hold (code keeping the GIL) stops as it stops this one
-        deadline = clock() + self.ctx.rnr_timeout_s  # type: ignore[attr-defined]
-        with self._cv:
-            while not self._recv_q and self._st != QPState.ERR and not self._closing:
+        qp = self.qp
+        deadline = clock() + qp.nic.rnr_timeout_s
+        with qp.cv:
+            while not qp.recv_q and qp.st != QPState.ERR and not qp.closing:
                 left = deadline - clock()
                 if left <= 0:
                     return None
-                self._recv_cv.wait(left)
-            return self._recv_q.popleft() if self._recv_q else None
+                qp.recv_cv.wait(left)
+            return qp.recv_q.popleft() if qp.recv_q else None
 
-    def _find_mr(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[Any]:
-        mr = self.ctx.mr_by_rkey(rkey)  # type: ignore[attr-defined]
+    def _find_mr(self, rkey: int, raddr: int, length: int, need: Access) -> Optional[TargetMR]:
+        mr = self.qp.nic.mr_by_rkey(rkey)
         # int.__and__: IntFlag's own & builds a flag member, a few microseconds per request
-        if mr is None or mr.pd is not self.pd or not int.__and__(mr.access, need):
+        if mr is None or mr.pd is not self.qp.pd or not int.__and__(mr.access, need):
             return None
         if raddr < mr.addr or raddr + length > mr.addr + mr.length:
             return None
@@ -84,7 +110,8 @@ class Responder:
         except UsageError:  # deregistered meanwhile
             return None
 
-    def _respond_loop(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
+    def respond_loop(self, sock: socket.socket, psn: int, fwd_delay_s: float) -> None:
+        """The responder thread: serve the requests arriving on `sock` (the QP's `attached` connection)."""
         try:
             self._respond(sock, psn, fwd_delay_s)
         finally:  # this thread is the connection's only reader: once it ends, nothing of the peer stays mapped
@@ -107,34 +134,35 @@ class Responder:
                 op, has_imm, pull = opcode & wire.OP_MASK, bool(opcode & wire.OP_HAS_IMM), bool(opcode & wire.OP_PULL)
                 push, no_ack = bool(opcode & wire.OP_PUSH), bool(opcode & wire.OP_NO_ACK)
                 if magic != wire.REQ_MAGIC or version != wire.VERSION or op not in _OPS.values() or psn != expected \
-                        or (pull and (not self._pull_pid or op == wire.OP_READ)) or (push and (not pull or op != wire.OP_WRITE)) \
+                        or (pull and (not self._pull_pid or op == wire.OP_READ)) \
+                        or (push and (not pull or op != wire.OP_WRITE)) \
                         or (no_ack and (not self._defer_ok or op == wire.OP_READ or push)):
-                    self._enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, psn {psn}, expected {expected})")
+                    self.qp.enter_error(WCStatus.WR_FLUSH_ERR, f"protocol violation from peer (magic {magic:#x}, "
+                                                               f"psn {psn}, expected {expected})")
                     return
                 expected = (expected + 1) & PSN_MASK
                 pulled = self._read_spans(rd, length, push and self._push_ok) if pull else None
                 if pull and pulled is None:
-                    self._enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
+                    self.qp.enter_error(WCStatus.WR_FLUSH_ERR, "protocol violation from peer (bad same-host spans)")
                     return
                 self._serve(rd, op, has_imm, psn, length, raddr, rkey, imm, due, pulled,
                             push and self._push_ok, no_ack)
             except (OSError, wire.PeerClosed) as exc:
-                with self._cv:
-                    acks_pending = bool(self._inflight)
+                acks_pending = self.qp.awaits_answers()
                 # with sends in flight, the ack reader sees the peer's last answer (a NAK, say) and
                 # then the closed connection itself, and errors the QP with the right statuses
-                if not self._closing and not acks_pending:
-                    self._enter_error(WCStatus.WR_FLUSH_ERR, f"peer disconnected: {exc}")
+                if not self.qp.closing and not acks_pending:
+                    self.qp.enter_error(WCStatus.WR_FLUSH_ERR, f"peer disconnected: {exc}")
                 return
             except ProtocolViolation as exc:
-                self._enter_error(WCStatus.WR_FLUSH_ERR, str(exc))
+                self.qp.enter_error(WCStatus.WR_FLUSH_ERR, str(exc))
                 return
             except UsageError as exc:  # a posted receive's MR was deregistered
-                self._enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
+                self.qp.enter_error(WCStatus.LOC_PROT_ERR, f"receive buffer unusable: {exc}")
                 return
             except Exception as exc:  # a fault of this NIC: the QP fails, naming it, rather than going deaf
-                log.exception("soft QP %d responder failed", self.qpn)  # type: ignore[attr-defined]
-                self._enter_error(WCStatus.WR_FLUSH_ERR, f"responder failed: {type(exc).__name__}: {exc}")
+                log.exception("soft QP %d responder failed", self.qp.qpn)
+                self.qp.enter_error(WCStatus.WR_FLUSH_ERR, f"responder failed: {type(exc).__name__}: {exc}")
                 return
 
     def _answer_owed(self, rd: wire.Reader) -> None:
@@ -144,12 +172,12 @@ class Responder:
         if rd.buffered() or _readable(rd.sock, DEFERRED_ACK_S):
             return
         self._unacked_bytes = self._unacked_reqs = self._deferred = 0
-        self._send_owed()
+        self.send_owed()
 
-    def _send_owed(self) -> None:
+    def send_owed(self) -> None:
         """Send a deferred answer still owed (at QP.close too, before the sockets go: the requester's WR was
         placed and must complete as such, not fail with the closed connection). Once: under `_resp_lock`."""
-        sock = self._resp_sock
+        sock = self.sock
         with self._resp_lock:
             psn, self._owed_psn = self._owed_psn, None
             if psn is None or sock is None:
@@ -179,7 +207,7 @@ class Responder:
             return None
         raw = rd.read(count * wire.PULL_SPAN.size)
         spans = [wire.PULL_SPAN.unpack_from(raw, i * wire.PULL_SPAN.size) for i in range(count)]
-        src = None
+        src: Union[None, Tuple[int, ...], shm.Mapped] = None  # (a region named, not mapped yet: `defer`)
         if named:
             region = wire.PULL_REGION.unpack(rd.read(wire.PULL_REGION.size))
             if self._regions is None:
@@ -220,7 +248,8 @@ class Responder:
         try:
             src = pulled[1]
             if isinstance(src, tuple):  # a push declined: the region named, mapped now
-                inside, src = self._regions.source(src, pulled[0])  # type: ignore[union-attr]
+                regions = cast(shm.PeerRegions, self._regions)  # (made when the region was named: _read_spans)
+                inside, src = regions.source(src, pulled[0])
                 if not inside:
                     raise OSError(22, "the spans lie outside the region named")
             samehost.read_from(self._pull_pid, pulled[0], [(address_of(t), t.nbytes) for t in targets],
@@ -236,11 +265,11 @@ class Responder:
         """Ask the requester to copy a WRITE's payload into `target` itself (already checked: rkey, bounds,
         access) where it lies in a shared region of ours and we `take` pushes now (shm.take_push; else an
         empty PUSH_AT, "no push here" or, for a shared target, "not this one": we read it ourselves):
-        PUSH_AT, then its PLACED notes, each the length of the prefix placed so far, growing to the whole (`landing`: each of its `pieces` digested as soon as a
-        note covers it, while the requester copies on). True if it placed the payload; False if it declined
-        (a first note of 0 bytes: read it as before) or no region holds `target`. Raises ProtocolViolation
-        on anything but the notes owed (the QP fails)."""
-        assert self._resp_line is None  # (no delayed answer that a PUSH_AT, sent at once, could overtake)
+        PUSH_AT, then its PLACED notes, each the length of the prefix placed so far, growing to the whole
+        (`landing`: each of its `pieces` digested as soon as a note covers it, while the requester copies on).
+        True if it placed the payload; False if it declined (a first note of 0 bytes: read it as before) or no
+        region holds `target`. Raises ProtocolViolation on anything but the notes owed (the QP fails)."""
+        assert self.resp_line is None  # (no delayed answer that a PUSH_AT, sent at once, could overtake)
         region = shm.region_of([(address_of(target), target.nbytes)])
         later = region is not None and not take
         # (empty: no push here, or with PUSH_LATER not this one, and the requester offers the next WRITE again)
@@ -280,7 +309,7 @@ class Responder:
             # (SoftMR.begin_remote), so no byte lands in memory whose registration has been revoked
             mr = self._find_mr(rkey, raddr, length, Access.REMOTE_WRITE)
             view = mr.begin_remote(rkey, raddr - mr.addr, length) if mr is not None else None
-            if view is None:
+            if mr is None or view is None:
                 self._drain(rd, length, pulled)
                 self._answer(sock, due, wire.NAK, psn, WCStatus.REM_ACCESS_ERR)
                 return
@@ -303,7 +332,7 @@ class Responder:
                 mr.end_remote()
             if recv is None and self._may_coalesce(rd, due, length, psn, no_ack):
                 return  # the next request is already arriving (or its answer may wait): a later one acknowledges it
-            wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qpn) if recv else None
+            wc = WC(recv[0], WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length, imm, self.qp.qpn) if recv else None
             self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
             return
         recv = self._take_recv()  # SEND
@@ -314,7 +343,7 @@ class Responder:
         wr_id, sges = recv
         if length > sum(s.length for s in sges):
             self._drain(rd, length, pulled)
-            wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qpn)
+            wc = WC(wr_id, WCStatus.LOC_LEN_ERR, WCOpcode.RECV, length, None, self.qp.qpn)
             self._answer(sock, due, wire.NAK, psn, WCStatus.REM_INV_REQ_ERR, wc=wc, then_error=True)
             return
         left, targets = length, []
@@ -325,10 +354,11 @@ class Responder:
             left -= k
         if not self._place(rd, pulled, targets, due, psn):
             return
-        wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qpn)
-        if self._may_coalesce(rd, due, length, psn, no_ack):  # (a control frame: a batch's, or one whose answer may wait)
-            self.recv_cq.push(wc, defer=True)  # type: ignore[attr-defined]
-            self.recv_cq.arrived()  # type: ignore[attr-defined]
+        wc = WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, imm if has_imm else None, self.qp.qpn)
+        # (a control frame: a batch's, or one whose answer may wait)
+        if self._may_coalesce(rd, due, length, psn, no_ack):
+            self.qp.recv_cq.push(wc, defer=True)
+            self.qp.recv_cq.arrived()
             return
         self._answer(sock, due, wire.ACK, psn, WCStatus.SUCCESS, wc=wc)
 
@@ -339,7 +369,7 @@ class Responder:
         than ACK_EVERY_BYTES and ACK_EVERY_REQUESTS have gone unanswered. A WRITE_WITH_IMM is always
         answered at once: its completion is the requester's news that a message is placed, which must not
         wait for the next message's first chunk."""
-        if not (self._resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
+        if not (self.resp_line is None and due <= time.monotonic() and self._unacked_bytes + length < ACK_EVERY_BYTES
                 and self._unacked_reqs + 1 < ACK_EVERY_REQUESTS):
             return False
         # an answer held for the next request only (no OP_NO_ACK: a completion may wait for it) is never
@@ -367,24 +397,26 @@ class Responder:
         self._unacked_bytes = self._unacked_reqs = self._deferred = 0  # every answer acknowledges those before it
         def deliver() -> None:
             if then_error:
-                self._err_seen = True
+                self.qp.err_seen = True
             if wc is not None:
-                self.recv_cq.push(wc, defer=not then_error)  # type: ignore[attr-defined]
+                self.qp.recv_cq.push(wc, defer=not then_error)
             try:
                 with self._resp_lock:  # (`_owed_psn` only under it: QP.close may send the owed answer itself)
                     self._owed_psn = None
                     n = payload.nbytes if payload is not None else 0
-                    wire.send_buffers(sock, [wire.resp(kind, psn, status, n)] + ([payload] if payload is not None else []))
+                    wire.send_buffers(sock, [wire.resp(kind, psn, status, n)]
+                                      + ([payload] if payload is not None else []))
             except OSError:
                 pass  # the requester notices the lost connection itself
             if wc is not None and not then_error:
-                self.recv_cq.arrived()  # type: ignore[attr-defined]  (its consumer's work after the answer has left)
+                self.qp.recv_cq.arrived()  # (its consumer's work after the answer has left)
             if then_error:
-                self._enter_error(WCStatus.WR_FLUSH_ERR, why or f"receive failed with {wc.status.name if wc else status.name}")
+                self.qp.enter_error(WCStatus.WR_FLUSH_ERR,
+                                    why or f"receive failed with {wc.status.name if wc else status.name}")
 
-        if self._resp_line is None and due > time.monotonic():
-            self._resp_line = DelayLine(f"soft-qp{self.qpn}-respdelay")
-        if self._resp_line is not None:
-            self._resp_line.submit(due, deliver)
+        if self.resp_line is None and due > time.monotonic():
+            self.resp_line = DelayLine(f"soft-qp{self.qp.qpn}-respdelay")
+        if self.resp_line is not None:
+            self.resp_line.submit(due, deliver)
         else:
             deliver()

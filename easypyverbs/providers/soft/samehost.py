@@ -2,8 +2,8 @@
 copies a WRITE's or SEND's bytes straight out of the requester's memory with process_vm_readv(2):
 one copy by the kernel, no socket, the GIL released, instead of the requester pushing them through
 loopback TCP (two copies and the TCP stack); a large copy is split across COPY_THREADS threads (the
-kernel's copy runs at memory speed per core, so two move it almost twice as fast). Only the request headers and answers still travel
-over the QP's TCP connection, so ordering, completions and errors are unchanged.
+kernel's copy runs at memory speed per core, so two move it almost twice as fast). Only the request headers
+and answers still travel over the QP's TCP connection, so ordering, completions and errors are unchanged.
 
 Who reads what: the responder reads only the addresses the requester names for that request (its
 own posted buffers), checked against the length it announced, and writes them only into its own MR
@@ -37,7 +37,8 @@ Span = Tuple[int, int]  # (address, length)
 COPY_THREADS = max(1, min(2, os.cpu_count() or 1))
 SPLIT_MIN_BYTES = 1 << 20
 
-_readv = None
+#: libc's process_vm_readv; None: not looked up yet, False: not to be had here
+_readv: Any = None
 _helpers: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _helpers_lock = threading.Lock()
 _idle = threading.Semaphore(0)  # helper threads free now (set with the pool)
@@ -47,7 +48,7 @@ class _IOVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def _fn() -> Optional[object]:
+def _fn() -> Optional[Callable[..., int]]:
     global _readv
     if _readv is None:
         try:
@@ -134,7 +135,8 @@ def _copy(read: Reader, part: List[Piece], on_piece: Optional[Callable[[int, int
 def _groups(pieces: Sequence[Tuple[int, int, bool]], parts: int, total: int) -> List[List[Tuple[int, int]]]:
     """`pieces` in at most `parts` runs of about equal bytes, each run beginning at a piece that begins a
     block (or the first)."""
-    step, out, acc = -(-total // parts), [[]], 0  # type: ignore[var-annotated]
+    out: List[List[Tuple[int, int]]] = [[]]
+    step, acc = -(-total // parts), 0
     for at, n, first in pieces:
         if first and out[-1] and acc >= step * len(out) and len(out) < parts:
             out.append([])
@@ -199,7 +201,7 @@ def _read(pid: int, remote: List[Span], local: List[Span]) -> None:
         raise OSError(38, "process_vm_readv is not available")  # ENOSYS
     rem, loc = remote, local
     while rem and loc:
-        n = f(pid, _iovecs(loc), len(loc), _iovecs(rem), len(rem), 0)  # type: ignore[operator]
+        n = f(pid, _iovecs(loc), len(loc), _iovecs(rem), len(rem), 0)
         if n <= 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err) if err else 'no progress'}")

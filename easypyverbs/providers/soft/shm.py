@@ -1,8 +1,8 @@
 """The soft provider's same-host path, second way: memory that the requester allocated as shared (a memfd,
 `shared_array`) is read by the responder through a read-only mapping of it, with a plain memcpy, instead
 of through process_vm_readv. The kernel's cross-process copy pins every page it reads and copies at half to
-two thirds of memcpy's speed here (1 GiB with an XXH3 of each piece, two threads: 146 ms by process_vm_readv, 95 ms
-from the mapping; scratch measurement on the 2-core test machine, 2026-11-26).
+two thirds of memcpy's speed (a 1 GiB copy with an XXH3 of each piece took about 1.5 x as long by
+process_vm_readv as from the mapping on a 2-core machine).
 
 Requester: `shared_array(n)` gives a numpy byte array over a memfd named "easypyverbs-shm", sealed against
 shrinking; while it lives, `region_of(spans)` names the region that holds a request's spans as (fd,
@@ -109,7 +109,8 @@ def shared_array(nbytes: int) -> np.ndarray:
             raise OSError(err, f"mmap of a {n}-byte memfd: {os.strerror(err)}")
         region = (fd, os.fstat(fd).st_ino, base, n)  # (built outside the lock: it may run a collection)
         owner = (ctypes.c_uint8 * n).from_address(base)
-        arr = np.frombuffer(owner, dtype=np.uint8)  # holds `owner`: the region lives as long as any view of it
+        # holds `owner` (through the memoryview): the region lives as long as any view of it
+        arr = np.frombuffer(memoryview(owner), dtype=np.uint8)
     except BaseException:
         if base is not None:
             _libc.munmap(base, n)
@@ -375,9 +376,8 @@ def take_push(others_placing: int) -> bool:
     process copies another WRITE already (a FATE arbiter that two clients upload to at once): its cores are
     taken, the sender's are not. With nothing else to copy the receiver reads it faster itself: split over
     its copy threads, the next WRITE's request already queued, where a push copies on one sender thread and
-    costs a round trip (PUSH_AT) per WRITE. 1 GiB, 2 cores, checksum none: pushed 0.21-0.23 s, read by the
-    receiver 0.14-0.16 s (`bench transfer --scenarios loopback`, 2026-11-29). EASYPYVERBS_SOFT_PUSH=always:
-    take every push."""
+    costs a round trip (PUSH_AT) per WRITE: a pushed 1 GiB took about 1.5 x as long as one the receiver read
+    itself (`bench transfer --scenarios loopback`). EASYPYVERBS_SOFT_PUSH=always: take every push."""
     return others_placing > 0 or push_always()
 
 

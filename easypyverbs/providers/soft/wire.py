@@ -7,7 +7,8 @@ HELLO (requester -> responder NIC), `!4sBBHIIIQ16sIQ16s`, 72 bytes:
     path), src_qpn u32, dst_qpn u32, first psn u32,
     fwd_delay_us u64 (the requester's link model: one-way delay the responder adds),
     token 16 bytes (the responder QP's attach token, from its QPInfo: only a peer that received the
-    QPInfo over the bootstrap can attach to the QP, not whoever scans QP numbers first),
+    QPInfo over the bootstrap can attach to the QP, not whoever scans QP numbers first; over a sealed
+    bootstrap both ends derive it from their session instead, and no message carries it: AttachToken),
     pid u32, probe_addr u64, probe 16 bytes (same-host path: the responder must read `probe` at
     `probe_addr` in process `pid` with process_vm_readv before it uses the path; see samehost.py)
 HELLO_REPLY (responder -> requester), `!4sBBHH`, 10 bytes: magic, version, kind (=2), status u16 (0 ok,
@@ -28,12 +29,13 @@ then PUSH_AT_BODY `!IQQQI`: the region's fd, inode, base address and size, and i
 lies in a shared region of its own and it takes a push now (shm.take_push: only while it copies another WRITE
 already), else an empty PUSH_AT: "no push here" (status 0: it reads the payload itself as before, and the
 requester offers no push for that rkey again) or "not this one" (status PUSH_LATER, a shared target while the
-responder has nothing else to copy: it reads this payload itself, and the requester offers the next again). The requester's send thread waits for that
-answer; after a PUSH_AT with a body it checks the pid (it must hold the other end of this connection:
-samehost.peer_owns), copies the payload into its writable mapping of the region piece by piece, and after
-each piece sends PLACED (a REQ with opcode OP_PLACED, the WRITE's psn, and the length of the prefix placed
-so far, growing to the WRITE's length; a first PLACED of 0: declined, read it yourself). The responder reads
-nothing else meanwhile, digests each piece as its note comes, and answers the WRITE as usual.
+responder has nothing else to copy: it reads this payload itself, and the requester offers the next again).
+The requester's send thread waits for that answer; after a PUSH_AT with a body it checks the pid (it must
+hold the other end of this connection: samehost.peer_owns), copies the payload into its writable mapping of
+the region piece by piece, and after each piece sends PLACED (a REQ with opcode OP_PLACED, the WRITE's psn,
+and the length of the prefix placed so far, growing to the WRITE's length; a first PLACED of 0: declined, read
+it yourself). The responder reads nothing else meanwhile, digests each piece as its note comes, and answers
+the WRITE as usual.
 
 Deferred answers (HELLO flag bit 2, offered by the requester, echoed by the responder that takes it; never under
 TLS or a link model): a SEND or WRITE whose completion nobody waits for (unsignaled, with at most one other
@@ -55,7 +57,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Union
 
 from ...tls import TLSStream
 
@@ -106,7 +108,7 @@ def resp(kind: int, psn: int, status: int, length: int = 0) -> memoryview:
     return memoryview(RESP.pack(RESP_MAGIC, VERSION, kind, psn, int(status), length))
 
 
-def set_kernel_timeouts(sock: socket.socket, seconds: float) -> None:
+def set_kernel_timeouts(sock: Union[socket.socket, TLSStream], seconds: float) -> None:
     """Blocking socket with SO_SNDTIMEO/SO_RCVTIMEO: calls fail with EAGAIN after `seconds` of no progress.
 
     Unlike `settimeout`, which polls before every call (halving large-transfer throughput here),
@@ -132,7 +134,8 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
     # a blocking socket fills the view in one call (MSG_WAITALL), the GIL released throughout
     waitall = isinstance(sock, socket.socket) and sock.gettimeout() is None
     while pos < n:
-        got = sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL) if waitall else sock.recv_into(view[pos:], n - pos)
+        got = (sock.recv_into(view[pos:], n - pos, socket.MSG_WAITALL) if waitall
+               else sock.recv_into(view[pos:], n - pos))
         if got == 0:
             raise PeerClosed(f"peer closed the connection after {pos} of {n} bytes")
         pos += got

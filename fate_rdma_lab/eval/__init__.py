@@ -1,0 +1,1 @@
+"""The evaluation studies on the WAN testbed: links, FATE's own path, stress, fairness, system cost."""
