@@ -24,6 +24,10 @@ def pair(tmp_path):
     with Endpoint(cfg, name="a") as a, Endpoint(cfg) as b:
         a.send(b.address, os.urandom(1000)).result(10)  # (connected, one transfer through)
         b.recv(10).release()
+        deadline = time.monotonic() + 10  # (b files its end after the connection's first message may be delivered)
+        while not b._conns:
+            assert time.monotonic() < deadline, "b never filed its end of the connection"
+            time.sleep(0.01)
         yield a, b, a.connect(b.address)
 
 
