@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import pickletools
 import re
 import struct
 from typing import Any, Dict, List, Optional, Tuple
@@ -154,8 +155,8 @@ class InFrame:
 #: what unpickling a peer's structure pickle raises on bytes that are not one, or that name what they may not:
 #: the pickle machine's own errors (UnicodeDecodeError is a ValueError), FATE's allow-list refusing a class
 #: (ValueError), an allowed class or reducer given arguments it does not take (TypeError, ValueError,
-#: AttributeError, IndexError, KeyError, OverflowError), and MemoryError: a BINBYTES8 or BYTEARRAY8 opcode's
-#: claimed length is allocated before its bytes are read, so 20 bytes can claim exabytes
+#: AttributeError, IndexError, KeyError, OverflowError), and MemoryError (lengths and memo indexes are bounded by
+#: `_scan` first; an allowed reducer could still ask for much)
 _UNPICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
                     KeyError, OverflowError, RecursionError, MemoryError)
 
@@ -175,6 +176,7 @@ def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
         raise IntegrityError(f"fate-rdma: malformed array frame ({view.nbytes} bytes): {exc}") from exc
     limit = view.nbytes - 8 - 8 * count
 
+    _scan(view[_HDR.size:_HDR.size + hlen])
     u = _unpickler(unpickler_cls)(*unpickler_args, io.BytesIO(view[_HDR.size:_HDR.size + hlen]))
     u.frame = (view, offsets, limit)
     try:
@@ -184,6 +186,26 @@ def decode(frame: InFrame, unpickler_cls: Any, *unpickler_args: Any) -> Any:
                              f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     finally:
         u.frame = None
+
+
+#: opcodes that store into the unpickler's memo at the index they name
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _scan(header: memoryview) -> None:
+    """Walks the structure pickle's opcodes before the unpickler runs them: pickle's C unpickler allocates what
+    an opcode claims before it checks the claim, so 5 flipped bytes could make it take gigabytes (a memo grown
+    and zeroed to a LONG_BINPUT's index, a BINBYTES8/BYTEARRAY8 length allocated before its bytes are read).
+    Here a counted argument must lie within the pickle (pickletools checks) and a memo index below its length
+    (each memo entry takes an opcode); the walk costs about a microsecond per opcode."""
+    n = header.nbytes
+    try:
+        for op, arg, pos in pickletools.genops(header.tobytes()):
+            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg < n):
+                raise ValueError(f"{op.name} at {pos} names memo index {arg} in a pickle of {n} bytes")
+    except Exception as exc:  # (ValueError mostly; any error the walk meets means the same: not a valid pickle)
+        raise IntegrityError(f"fate-rdma: array frame's structure ({n} bytes of pickle) is not a valid pickle: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 _UNPICKLERS: Dict[type, type] = {}
