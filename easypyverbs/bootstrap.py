@@ -350,5 +350,5 @@ def connect_with(host: str, port: int, retry: Retry, source: Optional[str] = Non
         except OSError as exc:
             retry.failed(exc)
     last = retry.last_error
-    raise BootstrapError(f"cannot reach bootstrap peer {host}:{port} within {retry.timeout_s} s "
+    raise BootstrapError(f"cannot reach bootstrap peer {host}:{port} within {retry.timeout_s:.3g} s "
                          f"({retry.attempts} attempts): {last}", getattr(last, "errno", None)) from last

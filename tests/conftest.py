@@ -19,7 +19,8 @@ SYSTEM_MODULES = {
     "test_fate_flow", "test_fate_flow_osx", "test_fate_lr", "test_federation", "test_full_size", "test_holds",
     "test_hugepages", "test_launcher", "test_llm_fedavg", "test_product_install", "test_rabbitmq",
     "test_rdma_vm", "test_same_host", "test_soft_shm", "test_sweep", "test_timeline", "test_verbs_processes",
-    "test_wan", "test_flood", "test_prometheus", "test_site_check", "test_site_init", "test_three_sites",
+    "test_wan", "test_flood", "test_prometheus", "test_site_check", "test_site_check_wan", "test_site_init",
+    "test_three_sites",
 }
 
 

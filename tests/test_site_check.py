@@ -106,3 +106,14 @@ def test_the_party_must_be_known():
     r = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "site", "check", "--site", "/nonexistent/site.yaml"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_a_silent_data_port_behind_an_answering_bootstrap_port_is_named():
+    from fate_rdma.federation.site_check import explain
+    from fate_rdma.errors import PeerUnreachable
+    exc = PeerUnreachable("cannot connect to fate-rdma endpoint 10.0.0.2:7100: soft QP 3: cannot reach peer NIC "
+                          "10.0.0.2:7110: timed out (the peer's soft data port, one of its soft_data_ports: open to "
+                          "this host in its firewall?)")
+    why = explain(exc, "10.0.0.2:7100", 4)
+    assert why.startswith("the endpoint at 10.0.0.2:7100 answered, but its soft data port 10.0.0.2:7110 did not "
+                          "(timed out): open that site's soft_data_ports"), why

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -59,6 +60,10 @@ def explain(exc: BaseException, address: str, timeout_s: float) -> str:
     if "refused" in low and isinstance(exc, PeerUnreachable):
         return (f"connection refused: nothing listens at {address} (is `fate-rdma site check --serve` running at "
                 f"that site, on the right port?) [{text}]")
+    data_port = re.search(r"cannot reach peer NIC (\S+): (.*?) \(the peer's soft data port", text)
+    if data_port:  # (the bootstrap port answered: the soft provider's data connection did not)
+        return (f"the endpoint at {address} answered, but its soft data port {data_port.group(1)} did not "
+                f"({data_port.group(2)}): open that site's soft_data_ports to this host in its firewall [{text}]")
     silent = ("timed out", "timeout", "no answer", "not done within", "closed", "connection lost")
     if isinstance(exc, PeerUnreachable) and any(w in low for w in silent):
         return (f"no answer from {address} within {timeout_s:g} s: a firewall dropping the port, a wrong address, "

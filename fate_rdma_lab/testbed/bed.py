@@ -86,6 +86,19 @@ def host_problem() -> Optional[str]:
     return None
 
 
+def namespace_problem() -> Optional[str]:
+    """Why this host cannot create a network namespace (host_problem first), or None: one is made and removed."""
+    problem = host_problem()
+    if problem:
+        return problem
+    probe = f"frprobe{os.getpid() % 10_000_000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=CMD_TIMEOUT_S)
+    return None
+
+
 def spec_problem(tb: Testbed) -> Optional[str]:
     """What this testbed's shaping needs that the host lacks (nft for loss, cc and /dev/net/tun for delay)."""
     if any(l.loss_pct > 0 for l in tb.links) and not shutil.which("nft"):

@@ -146,7 +146,9 @@ class SoftQP(QP):
             plain = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s,
                                              source_address=self.nic.source)
         except OSError as exc:
-            raise EasyVerbsError(f"soft QP {self.qpn}: cannot reach peer NIC {remote.gid}: {exc}", exc.errno) from exc
+            raise EasyVerbsError(f"soft QP {self.qpn}: cannot reach peer NIC {remote.gid}: {exc} (the peer's soft "
+                                 f"data port, one of its soft_data_ports: open to this host in its firewall?)",
+                                 exc.errno) from exc
         sock: Union[socket.socket, TLSStream] = plain
         tls = self.nic.tls
         if tls is not None:
