@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any, Dict, List, Optional
 
 from fate_rdma_lab.bench.local import free_ports
+from fate_rdma_lab.testbed.bed import call_in_ns, in_ns
 
 
 def free_port() -> int:
@@ -49,8 +50,10 @@ def _own_paths(settings: str, home: str) -> None:
 
 
 class FlowServer:
-    def __init__(self, home: str, party_id: str = "9999", env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, home: str, party_id: str = "9999", env: Optional[Dict[str, str]] = None,
+                 netns: Optional[str] = None) -> None:
         self.home = os.path.abspath(home)
+        self.netns = netns  # a network namespace the server runs in (its HTTP reached there), or None
         self.party_id = party_id
         self.http_port = free_port()
         self.grpc_port = free_port()
@@ -104,7 +107,9 @@ class FlowServer:
         self.prepare()
         server_py = os.path.join(self.home, "python", "fate_flow", "fate_flow_server.py")
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, server_py], cwd=self.home, env=self.env(), stdout=out,
+            argv = [sys.executable, server_py]
+            self.proc = subprocess.Popen(in_ns(self.netns, argv) if self.netns else argv, cwd=self.home, env=self.env(),
+                                         stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -136,15 +141,20 @@ class FlowServer:
         q = ("?" + urllib.parse.urlencode(params)) if params else ""
         return f"http://{self.address}{path}{q}"
 
+    def _fetch(self, req: Any, timeout_s: float) -> Dict[str, Any]:
+        def fetch() -> Dict[str, Any]:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+
+        return call_in_ns(self.netns, fetch, timeout_s=timeout_s + 10)
+
     def get(self, path: str, **params: Any) -> Dict[str, Any]:
-        with urllib.request.urlopen(self._url(path, params), timeout=30) as r:
-            return json.loads(r.read())
+        return self._fetch(self._url(path, params), 30)
 
     def post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
         req = urllib.request.Request(self._url(path), data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
+        return self._fetch(req, 60)
 
     def bind_path(self, namespace: str, name: str, path: str) -> None:
         resp = self.post("/v2/table/bind/path", {"namespace": namespace, "name": name, "path": path})

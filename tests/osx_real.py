@@ -17,6 +17,8 @@ from typing import Dict, Optional
 
 import pytest
 
+from fate_rdma_lab.testbed.bed import call_in_ns, in_ns
+
 ROOT = Path(__file__).resolve().parents[1]
 THIRD_PARTY = ROOT.parent / "shared" / "third_party"
 
@@ -60,8 +62,9 @@ def _set_keys(text: str, keys: Dict[str, str]) -> str:
 class OSX:
     """One site's OSX process, from the built folder and that site's `site init` pieces."""
 
-    def __init__(self, built: Path, home: Path, site_osx: Path) -> None:
+    def __init__(self, built: Path, home: Path, site_osx: Path, netns: Optional[str] = None) -> None:
         self.home = home
+        self.netns = netns  # the site's network namespace, or None
         conf = home / "conf"
         shutil.copytree(built / "conf", conf)
         props = conf / "broker" / "broker.properties"
@@ -72,8 +75,9 @@ class OSX:
         self.port = int(wanted["grpc.port"])
         self.log = home / "osx.out"
         cp = f"{conf / 'broker'}/:{built / 'lib'}/*:{built / 'pb_lib' / 'v3'}/*"
+        argv = ["java", "-Xmx512m", "-cp", cp, "org.fedai.osx.broker.Bootstrap", "-c", str(conf)]
         self.proc: Optional[subprocess.Popen] = subprocess.Popen(
-            ["java", "-Xmx512m", "-cp", cp, "org.fedai.osx.broker.Bootstrap", "-c", str(conf)], cwd=str(home),
+            in_ns(netns, argv) if netns else argv, cwd=str(home),
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_up(self, timeout_s: float = 120) -> None:
@@ -83,8 +87,8 @@ class OSX:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"OSX exited with {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
+                call_in_ns(self.netns, lambda: socket.create_connection(("127.0.0.1", self.port), timeout=1).close())
+                return
             except OSError:
                 time.sleep(0.5)
         raise RuntimeError(f"OSX did not listen on {self.port} within {timeout_s:g} s: {self.log.read_text()[-3000:]}")

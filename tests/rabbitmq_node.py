@@ -17,6 +17,7 @@ from base64 import b64encode
 from typing import Dict, List, Optional
 
 from fate_rdma_lab.bench.local import free_ports
+from fate_rdma_lab.testbed.bed import call_in_ns, in_ns
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 INSTALL_HINT = "run deploy/install-rabbitmq.sh as root (`make test` does), i.e. apt-get install rabbitmq-server"
@@ -34,10 +35,13 @@ def unavailable() -> Optional[str]:
     return None
 
 
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def listening(port: int, host: str = "127.0.0.1", netns: Optional[str] = None) -> bool:
+    def probe() -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex((host, port)) == 0
+
+    return bool(call_in_ns(netns, probe))
 
 
 class RabbitNode:
@@ -46,8 +50,10 @@ class RabbitNode:
 
     user = "fate"
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, host: str = "127.0.0.1", netns: Optional[str] = None) -> None:
         self.base = os.path.abspath(base)
+        self.host = host  # where AMQP and management listen (epmd and distribution stay on loopback)
+        self.netns = netns  # the network namespace the node runs in (a site's), or None
         self.name = f"fate-rdma-test-{secrets.token_hex(4)}@localhost"
         self.password = secrets.token_hex(8)
         self.amqp_port, self.mng_port, self.dist_port, self.epmd_port = free_ports(4)
@@ -60,8 +66,8 @@ class RabbitNode:
     def start(self, deadline_s: float = 90.0) -> "RabbitNode":
         os.makedirs(self.base, exist_ok=True)
         with open(os.path.join(self.base, "rabbitmq.conf"), "w") as f:
-            f.write(f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}\n"
-                    f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {self.mng_port}\n"
+            f.write(f"listeners.tcp.default = {self.host}:{self.amqp_port}\n"
+                    f"management.tcp.ip = {self.host}\nmanagement.tcp.port = {self.mng_port}\n"
                     f"default_user = {self.user}\ndefault_pass = {self.password}\n"
                     "default_user_tags.administrator = true\n"
                     # a test machine's disk may be nearly full: do not block publishers for it
@@ -77,7 +83,7 @@ class RabbitNode:
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": self.base, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
             "ERL_EPMD_PORT": str(self.epmd_port), "ERL_EPMD_ADDRESS": "127.0.0.1",
-            "RABBITMQ_NODENAME": self.name, "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODENAME": self.name, "RABBITMQ_NODE_IP_ADDRESS": self.host,
             "RABBITMQ_NODE_PORT": str(self.amqp_port), "RABBITMQ_DIST_PORT": str(self.dist_port),
             "RABBITMQ_MNESIA_BASE": os.path.join(self.base, "mnesia"),
             "RABBITMQ_LOG_BASE": os.path.join(self.base, "log"),
@@ -92,15 +98,15 @@ class RabbitNode:
         out = open(self.log_path, "ab")
         try:
             # our own epmd in the foreground, so that it is ours to stop (erl would start a daemon)
-            self.epmd = subprocess.Popen(["epmd", "-address", "127.0.0.1", "-port", str(self.epmd_port)],
+            self.epmd = subprocess.Popen(self._argv(["epmd", "-address", "127.0.0.1", "-port", str(self.epmd_port)]),
                                          env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             self.pids.append(self.epmd.pid)
             t_end = time.monotonic() + 10
-            while not listening(self.epmd_port):
+            while not listening(self.epmd_port, netns=self.netns):
                 if self.epmd.poll() is not None or time.monotonic() > t_end:
                     raise RuntimeError(f"epmd did not listen on 127.0.0.1:{self.epmd_port}: {self.log_tail()}")
                 time.sleep(0.05)
-            self.proc = subprocess.Popen([SERVER], env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self._argv([SERVER]), env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.base)
             self.pids.append(self.proc.pid)
         finally:
@@ -111,11 +117,11 @@ class RabbitNode:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"RabbitMQ node {self.name} exited with code {self.proc.returncode} while "
                                    f"starting:\n{self.log_tail()}")
-            if listening(self.amqp_port) and self._api("GET", "overview", timeout=2) is not None:
+            if listening(self.amqp_port, self.host, self.netns) and self._api("GET", "overview", timeout=2) is not None:
                 break
             if time.monotonic() - t0 > deadline_s:
                 raise RuntimeError(f"RabbitMQ node {self.name} not ready within {deadline_s:g} s (AMQP "
-                                   f"127.0.0.1:{self.amqp_port}, management {self.mng_port}):\n{self.log_tail()}")
+                                   f"{self.host}:{self.amqp_port}, management {self.mng_port}):\n{self.log_tail()}")
             time.sleep(0.25)
         self.boot_s = time.monotonic() - t0
         self._remember_descendants()
@@ -194,14 +200,21 @@ class RabbitNode:
     def _api(self, method: str, path: str, timeout: float = 10) -> Optional[object]:
         import json
 
-        req = urllib.request.Request(f"http://127.0.0.1:{self.mng_port}/api/{path}", method=method)
+        req = urllib.request.Request(f"http://{self.host}:{self.mng_port}/api/{path}", method=method)
         req.add_header("Authorization", "Basic " + b64encode(f"{self.user}:{self.password}".encode()).decode())
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                body = r.read()
-                return json.loads(body) if body else {}
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
+
+        def fetch() -> Optional[object]:
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    body = r.read()
+                    return json.loads(body) if body else {}
+            except (urllib.error.URLError, OSError, ValueError):
+                return None
+
+        return call_in_ns(self.netns, fetch, timeout_s=timeout + 10)
+
+    def _argv(self, argv: List[str]) -> List[str]:
+        return in_ns(self.netns, argv) if self.netns else argv
 
     def vhosts(self) -> List[str]:
         got = self._api("GET", "vhosts")
@@ -214,6 +227,6 @@ class RabbitNode:
     def options(self) -> Dict[str, object]:
         """FederationBuilder.build_rabbitmq(computing, host, port, options) for this node, in FATE's
         `client` mode (one broker for all parties; `replication` federates queues between brokers)."""
-        return {"host": "127.0.0.1", "port": self.amqp_port, "mng_port": self.mng_port,
+        return {"host": self.host, "port": self.amqp_port, "mng_port": self.mng_port,
                 "base_user": self.user, "base_password": self.password, "mode": "client",
                 "route_table": {}, "max_message_size": None, "rabbitmq_run": {}, "connection": {}}

@@ -21,7 +21,6 @@ from fate_rdma_lab.testbed import bed as wan
 ROOT = str(Path(__file__).resolve().parents[1])
 PARTIES = ["guest:9999", "host:10000", "arbiter:10001"]
 BOOT, DATA = 7100, "7110-7119"  # each site's bootstrap port and soft data ports (the same numbers at every site)
-OPEN = wan.LinkSpec(rate_bps=None, delay_ms=0.0)  # unshaped: no delay helper, only namespaces, veths and a router
 
 
 def _skip_reason() -> str:
@@ -33,19 +32,8 @@ def testbed(tmp_path_factory):
     reason = _skip_reason()
     if reason:
         pytest.skip(f"site namespaces cannot be built here: {reason}")
-    state = tmp_path_factory.mktemp("wanstate")
-    old = os.environ.get("FATE_RDMA_WAN_STATE")
-    os.environ["FATE_RDMA_WAN_STATE"] = str(state)
-    tb = wan.Testbed(links=(OPEN, OPEN, OPEN), prefix=f"frsc{os.getpid() % 100000}")
-    try:
-        wan.up(tb)
+    with wan.open_sites(3, f"frsc{os.getpid() % 100000}", str(tmp_path_factory.mktemp("wanstate"))) as tb:
         yield tb
-    finally:
-        wan.down(tb.prefix)
-        if old is None:
-            os.environ.pop("FATE_RDMA_WAN_STATE", None)
-        else:
-            os.environ["FATE_RDMA_WAN_STATE"] = old
 
 
 @pytest.fixture(scope="module")

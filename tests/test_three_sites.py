@@ -7,6 +7,7 @@ every party's task log says fate-rdma carried the weights and the OSXs' queues (
 of the job's objects, where without it they carried the weights."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import yaml  # noqa: E402
 
 from fate_rdma.cli.tls import sign_request  # noqa: E402
 from fate_rdma_lab.bench.local import free_ports  # noqa: E402
+from fate_rdma_lab.testbed import bed as wan  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flow_server import FlowServer  # noqa: E402
@@ -37,9 +39,10 @@ class SiteFlow(FlowServer):
     """A site's FATE-Flow: its party id and ports, and the keys `site init` gave it (OSX as federation engine and
     scheduling proxy)."""
 
-    def __init__(self, home, party_id, keys, env):
-        super().__init__(home, party_id=party_id, env=env)
+    def __init__(self, home, party_id, keys, env, netns=None, rabbit=None):
+        super().__init__(home, party_id=party_id, env=env, netns=netns)
         self.keys = keys
+        self.rabbit = rabbit  # a RabbitNode: FATE's rabbitmq engine carries the job's federation (OSX schedules)
         self.http_port, self.grpc_port = keys["fateflow"]["http_port"], keys["fateflow"]["grpc_port"]
 
     def prepare(self) -> None:
@@ -53,19 +56,48 @@ class SiteFlow(FlowServer):
         # FATE 2.2's OSX engine slices a pickle above max_message_size from forked workers, which fails there
         # (tests/test_fate_flow_osx.py): FATE's own path needs its pickles whole
         conf["federation"]["osx"] = dict(self.keys["federation"]["osx"], max_message_size=256 << 20)
+        if self.rabbit is not None:  # (client mode: every party on the one broker; the route table names it)
+            node = self.rabbit
+            conf["default_engines"]["federation"] = "rabbitmq"
+            conf["federation"]["rabbitmq"] = {"host": node.host, "port": node.amqp_port, "mng_port": node.mng_port,
+                                              "user": node.user, "password": node.password, "mode": "client",
+                                              "max_message_size": 256 << 20}
+            with open(os.path.join(self.home, "conf", "rabbitmq_route_table.yaml"), "w") as f:
+                yaml.safe_dump({pid: {"host": node.host, "port": node.amqp_port} for _, pid in PARTIES}, f)
         with open(path, "w") as f:
             yaml.safe_dump(conf, f)
 
 
 @pytest.fixture(scope="module")
-def sites(tmp_path_factory):
+def testbed(tmp_path_factory):
+    """The WAN testbed's three site namespaces (unshaped), or None where this host cannot make namespaces: the
+    sites then share this host's loopback, and the test says so."""
+    problem = wan.namespace_problem()
+    if problem:
+        print(f"three sites on loopback, not in namespaces: {problem}")
+        yield None
+        return
+    with wan.open_sites(len(PARTIES), f"frts{os.getpid() % 100000}", str(tmp_path_factory.mktemp("wanstate"))) as tb:
+        yield tb
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory, testbed):
+    with three_sites(tmp_path_factory.mktemp("three_sites"), testbed) as got:
+        yield got
+
+
+@contextlib.contextmanager
+def three_sites(base, testbed, rabbit=None):
+    """The three sites' OSXs and FATE-Flows, set up by `site init` (in the testbed's namespaces, else on loopback);
+    `rabbit`: FATE's rabbitmq engine on that node carries the jobs' federation."""
     built = built_osx()
-    base = tmp_path_factory.mktemp("three_sites")
     ports = free_ports(4 * len(PARTIES))
     parties = {}
+    netns = [testbed.site_ns(i) if testbed else None for i in range(len(PARTIES))]
     for i, (role, pid) in enumerate(PARTIES):
         e, o, g, h = ports[4 * i: 4 * i + 4]
-        parties[f"{role}:{pid}"] = {"host": "127.0.0.1", "ports": {
+        parties[f"{role}:{pid}"] = {"host": testbed.site_addr(i) if testbed else "127.0.0.1", "ports": {
             "endpoint": e, "osx": o, "flow_grpc": g, "flow_http": h,
             "soft_data": f"{21000 + 100 * i}-{21000 + 100 * i + 15}"}}
     fed = base / "federation.yaml"
@@ -76,7 +108,7 @@ def sites(tmp_path_factory):
                     "--seed", "1"], check=True, capture_output=True, timeout=60)
     osxs, flows = [], []
     try:
-        for party in parties:
+        for ns, party in zip(netns, parties):
             out = base / party.replace(":", "_")
             r = subprocess.run([sys.executable, "-m", "fate_rdma.cli", "site", "init", str(fed), "--party", party,
                                 "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -84,10 +116,10 @@ def sites(tmp_path_factory):
             stem = party.replace(":", "_")
             sign_request(str(base / "ca"), str(out / "tls" / f"{stem}.csr"), [party])
             shutil.copy(base / "ca" / "ca.pem", out / "tls" / "ca.pem")
-            osxs.append(OSX(built, out / "osx-home", out / "osx"))
+            osxs.append(OSX(built, out / "osx-home", out / "osx", netns=ns))
             keys = yaml.safe_load((out / "fate_flow" / "service_conf.yaml").read_text())
             flows.append(SiteFlow(str(out / "flow-home"), keys["party_id"], keys,
-                                  {"FATE_RDMA_SITE": str(out / "site.yaml")}))
+                                  {"FATE_RDMA_SITE": str(out / "site.yaml")}, netns=ns, rabbit=rabbit))
         for o in osxs:
             o.wait_up()
         for f in flows:
@@ -146,7 +178,7 @@ def osx_pushed_bytes(osxs, job_id):
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
-def test_a_job_submitted_at_one_site_runs_at_three_with_the_weights_over_fate_rdma(sites, kind):
+def test_a_job_submitted_at_one_site_runs_at_three_with_the_weights_over_fate_rdma(sites, testbed, kind):
     flows, osxs = sites
     guest = flows[0]
     jobs = [example_job(False), example_job()] if kind == "full" else [lora_job(False), lora_job()]
@@ -158,6 +190,8 @@ def test_a_job_submitted_at_one_site_runs_at_three_with_the_weights_over_fate_rd
         task_log = role_logs(f, rdma, role, pid)["root/INFO"]  # (each site's own FATE-Flow ran its party's task)
         on = [line for line in task_log.splitlines() if "fate-rdma: ON for" in line]
         assert len(on) == 1 and "engine osx" in on[0], task_log[-3000:]
+        if testbed is not None:  # (its peers at their sites' addresses, each in its own namespace)
+            assert "198.18." in on[0], on[0]
         counters = re.findall(r"channel_transfers=(\d+) channel_bytes=(\d+)", task_log)
         assert len(counters) == 1, task_log[-3000:]
         transfers, nbytes = map(int, counters[0])

@@ -31,6 +31,7 @@ State (spec, helper pid, last measurement) lives in `state_dir()/P.json`; `down`
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from fate_rdma_lab.testbed.spec import (PAPER_NOTE, SITE_NAMES, LinkSpec, Testbed, WanError, WanUnavailable,  # noqa: F401
                                         check_prefix, fmt_rate, testbed_note)
@@ -72,6 +73,59 @@ def sh(argv: List[str], check: bool = True, timeout_s: float = CMD_TIMEOUT_S, st
 
 def in_ns(ns: str, argv: List[str]) -> List[str]:
     return ["ip", "netns", "exec", ns, *argv]
+
+
+def call_in_ns(ns: Optional[str], fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0, **kw: Any) -> Any:
+    """`fn(*args, **kw)` run with its sockets in namespace `ns` (None: here): on a thread of its own that enters the
+    namespace first (setns applies to the calling thread), so this process can talk to a site's loopback-only
+    services (a site's FATE-Flow HTTP) without a shell in between. Its exception is raised here."""
+    if ns is None:
+        return fn(*args, **kw)
+    import ctypes
+    import threading
+
+    out: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, 0x40000000) != 0:  # (CLONE_NEWNET)
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            out["value"] = fn(*args, **kw)
+        except BaseException as exc:  # (handed to the caller)
+            out["error"] = exc
+
+    t = threading.Thread(target=run, name=f"in-{ns}", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise WanError(f"{getattr(fn, '__name__', fn)} in {ns} did not return within {timeout_s:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+@contextlib.contextmanager
+def open_sites(sites: int, prefix: str, state: str) -> Iterator[Testbed]:
+    """`sites` namespaces behind the router, unshaped (no helper: namespaces, veths and routes only), for the
+    block; their state file under `state` (FATE_RDMA_WAN_STATE meanwhile); everything of `prefix` removed after."""
+    old = os.environ.get("FATE_RDMA_WAN_STATE")
+    os.environ["FATE_RDMA_WAN_STATE"] = state
+    tb = Testbed(links=(LinkSpec(rate_bps=None, delay_ms=0.0),) * sites, prefix=prefix)
+    try:
+        up(tb)
+        yield tb
+    finally:
+        down(tb.prefix)
+        if old is None:
+            os.environ.pop("FATE_RDMA_WAN_STATE", None)
+        else:
+            os.environ["FATE_RDMA_WAN_STATE"] = old
 
 
 def host_problem() -> Optional[str]:
