@@ -44,6 +44,21 @@ def listening(port: int, host: str = "127.0.0.1", netns: Optional[str] = None) -
     return bool(call_in_ns(netns, probe))
 
 
+def fetch_json(req: urllib.request.Request, timeout_s: float, netns: Optional[str] = None) -> Optional[object]:
+    """The JSON an HTTP API answers `req` with (from inside `netns`), or None where it does not (yet) answer."""
+    import json
+
+    def fetch() -> Optional[object]:
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                body = r.read()
+                return json.loads(body) if body else {}
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    return call_in_ns(netns, fetch, timeout_s=timeout_s + 10)
+
+
 class RabbitNode:
     """One node. `amqp_port`, `mng_port`, `user`, `password` once started; `options()` is what
     FATE's FederationBuilder.build_rabbitmq takes (client mode: every party uses this one broker)."""
@@ -198,20 +213,10 @@ class RabbitNode:
 
     # -- management API -------------------------------------------------------------------------
     def _api(self, method: str, path: str, timeout: float = 10) -> Optional[object]:
-        import json
-
         req = urllib.request.Request(f"http://{self.host}:{self.mng_port}/api/{path}", method=method)
         req.add_header("Authorization", "Basic " + b64encode(f"{self.user}:{self.password}".encode()).decode())
 
-        def fetch() -> Optional[object]:
-            try:
-                with urllib.request.urlopen(req, timeout=timeout) as r:
-                    body = r.read()
-                    return json.loads(body) if body else {}
-            except (urllib.error.URLError, OSError, ValueError):
-                return None
-
-        return call_in_ns(self.netns, fetch, timeout_s=timeout + 10)
+        return fetch_json(req, timeout, self.netns)
 
     def _argv(self, argv: List[str]) -> List[str]:
         return in_ns(self.netns, argv) if self.netns else argv
@@ -223,6 +228,20 @@ class RabbitNode:
     def users(self) -> List[str]:
         got = self._api("GET", "users")
         return sorted(u["name"] for u in got) if isinstance(got, list) else []
+
+    engine = "rabbitmq"  # (FATE-Flow's name for the engine this node serves)
+
+    @property
+    def data_port(self) -> int:
+        return self.amqp_port
+
+    def service_conf(self) -> Dict[str, object]:
+        """FATE-Flow's `federation.rabbitmq` for this node, in FATE's `client` mode (every party on it)."""
+        return {"host": self.host, "port": self.amqp_port, "mng_port": self.mng_port, "user": self.user,
+                "password": self.password, "mode": "client", "max_message_size": 256 << 20}
+
+    def route_table(self, party_ids: List[str]) -> Dict[str, object]:
+        return {pid: {"host": self.host, "port": self.amqp_port} for pid in party_ids}
 
     def options(self) -> Dict[str, object]:
         """FederationBuilder.build_rabbitmq(computing, host, port, options) for this node, in FATE's

@@ -39,10 +39,10 @@ class SiteFlow(FlowServer):
     """A site's FATE-Flow: its party id and ports, and the keys `site init` gave it (OSX as federation engine and
     scheduling proxy)."""
 
-    def __init__(self, home, party_id, keys, env, netns=None, rabbit=None):
+    def __init__(self, home, party_id, keys, env, netns=None, mq=None):
         super().__init__(home, party_id=party_id, env=env, netns=netns)
         self.keys = keys
-        self.rabbit = rabbit  # a RabbitNode: FATE's rabbitmq engine carries the job's federation (OSX schedules)
+        self.mq = mq  # a RabbitNode or PulsarNode: that FATE engine carries the job's federation (OSX schedules)
         self.http_port, self.grpc_port = keys["fateflow"]["http_port"], keys["fateflow"]["grpc_port"]
 
     def prepare(self) -> None:
@@ -56,14 +56,11 @@ class SiteFlow(FlowServer):
         # FATE 2.2's OSX engine slices a pickle above max_message_size from forked workers, which fails there
         # (tests/test_fate_flow_osx.py): FATE's own path needs its pickles whole
         conf["federation"]["osx"] = dict(self.keys["federation"]["osx"], max_message_size=256 << 20)
-        if self.rabbit is not None:  # (client mode: every party on the one broker; the route table names it)
-            node = self.rabbit
-            conf["default_engines"]["federation"] = "rabbitmq"
-            conf["federation"]["rabbitmq"] = {"host": node.host, "port": node.amqp_port, "mng_port": node.mng_port,
-                                              "user": node.user, "password": node.password, "mode": "client",
-                                              "max_message_size": 256 << 20}
-            with open(os.path.join(self.home, "conf", "rabbitmq_route_table.yaml"), "w") as f:
-                yaml.safe_dump({pid: {"host": node.host, "port": node.amqp_port} for _, pid in PARTIES}, f)
+        if self.mq is not None:  # (client mode: every party on the one broker; the route table names it)
+            conf["default_engines"]["federation"] = self.mq.engine
+            conf["federation"][self.mq.engine] = self.mq.service_conf()
+            with open(os.path.join(self.home, "conf", f"{self.mq.engine}_route_table.yaml"), "w") as f:
+                yaml.safe_dump(self.mq.route_table([pid for _, pid in PARTIES]), f)
         with open(path, "w") as f:
             yaml.safe_dump(conf, f)
 
@@ -88,9 +85,9 @@ def sites(tmp_path_factory, testbed):
 
 
 @contextlib.contextmanager
-def three_sites(base, testbed, rabbit=None):
+def three_sites(base, testbed, mq=None):
     """The three sites' OSXs and FATE-Flows, set up by `site init` (in the testbed's namespaces, else on loopback);
-    `rabbit`: FATE's rabbitmq engine on that node carries the jobs' federation."""
+    `mq` (a RabbitNode or PulsarNode): that FATE engine on that broker carries the jobs' federation."""
     built = built_osx()
     ports = free_ports(4 * len(PARTIES))
     parties = {}
@@ -119,7 +116,7 @@ def three_sites(base, testbed, rabbit=None):
             osxs.append(OSX(built, out / "osx-home", out / "osx", netns=ns))
             keys = yaml.safe_load((out / "fate_flow" / "service_conf.yaml").read_text())
             flows.append(SiteFlow(str(out / "flow-home"), keys["party_id"], keys,
-                                  {"FATE_RDMA_SITE": str(out / "site.yaml")}, netns=ns, rabbit=rabbit))
+                                  {"FATE_RDMA_SITE": str(out / "site.yaml")}, netns=ns, mq=mq))
         for o in osxs:
             o.wait_up()
         for f in flows:
