@@ -1,10 +1,11 @@
 """Three data centres as FATE runs them: each site its own FATE-Flow 2.2 and FATE's own OSX (built from
 ../shared/third_party), set up only by `fate-rdma site init` from one federation description (certificates from
-one CA, keyed integrity: the defaults), processes of this host on their own ports. The tiny GPT-2 full
-fine-tune and LoRA jobs are each submitted at the guest's FATE-Flow only, once without the fate_rdma section and
-once with it: both run at all three sites (FATE-Flow's scheduling through the OSXs), give the same weights, and with the section
-every party's task log says fate-rdma carried the weights and the OSXs' queues (their flow logs) carried none
-of the job's objects, where without it they carried the weights."""
+one CA, keyed integrity: the defaults), each site in its own network namespace of the WAN testbed (198.18.x.2
+behind a router; on loopback where this host cannot make namespaces, and the output says so). The tiny GPT-2
+full fine-tune and LoRA jobs are each submitted at the guest's FATE-Flow only, once without the fate_rdma section
+and once with it: both run at all three sites (FATE-Flow's scheduling through the OSXs), give the same weights,
+and with the section every party's task log says fate-rdma carried the weights and the OSXs' queues (their flow
+logs) carried none of the job's objects, where without it they carried the weights."""
 from __future__ import annotations
 
 import contextlib
