@@ -48,34 +48,37 @@ def _names_field(block: str, name: str) -> bool:
     return re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", block) is not None
 
 
-def config_py_docs(text: str) -> Tuple[Dict[str, str], List[_Run]]:
-    """The `#:` comment of each field of `class ChannelConfig` in `text`, and the runs of fields."""
+def _comment_runs(text: str, opener: str, comment: str, entry: "re.Pattern[str]", inline: bool,
+                  stop: Tuple[str, ...] = ()) -> Tuple[Dict[str, str], List[_Run]]:
+    """The comment of each entry of the indented block after the line starting `opener`, and the runs of entries
+    sharing one comment block. `comment`: what starts a comment line; `entry`: an entry's line (group 1 its name,
+    group 2, if `inline`, the rest, whose ` # ...` is the entry's own comment); `stop`: lines that end the block."""
     own: Dict[str, str] = {}
     runs: List[_Run] = []
     block: List[str] = []
     run: Optional[_Run] = None
     inside = False
     for line in text.splitlines():
-        if line.startswith("class ChannelConfig"):
+        if line.startswith(opener):
             inside = True
             continue
         if not inside:
             continue
-        if line.strip() and not line[0].isspace():
-            break  # the class ended
         stripped = line.strip()
-        if stripped.startswith("def ") or stripped.startswith("@"):
-            break  # the methods: no more fields
-        if stripped.startswith("#:"):
-            block.append(stripped[2:].strip())
+        if (stripped and not line[0].isspace()) or (stop and stripped.startswith(stop)):
+            break  # the block ended (or, in a class, its methods begin: no more fields)
+        if stripped.startswith(comment):
+            block.append(stripped[len(comment):].lstrip("#").strip())
             run = None
             continue
-        m = _FIELD.match(line)
+        m = entry.match(line)
         if m:
             name = m.group(1)
+            mine = m.group(2).split(" #", 1)[1].strip() if inline and " #" in m.group(2) else ""
+            if mine or block:
+                own[name] = mine or " ".join(block)
             if block:
-                own[name] = " ".join(block)
-                run = _Run(own[name], [name])
+                run = _Run(" ".join(block), [name])
                 runs.append(run)
             elif run is not None:
                 run.names.append(name)
@@ -85,43 +88,14 @@ def config_py_docs(text: str) -> Tuple[Dict[str, str], List[_Run]]:
     return own, runs
 
 
+def config_py_docs(text: str) -> Tuple[Dict[str, str], List[_Run]]:
+    """The `#:` comment of each field of `class ChannelConfig` in `text`, and the runs of fields."""
+    return _comment_runs(text, "class ChannelConfig", "#:", _FIELD, inline=False, stop=("def ", "@"))
+
+
 def channel_yaml_docs(text: str) -> Tuple[Dict[str, str], List[_Run]]:
     """The comment of each key of the `channel:` section of conf/channel.yaml, and the runs of keys."""
-    own: Dict[str, str] = {}
-    runs: List[_Run] = []
-    block: List[str] = []
-    run: Optional[_Run] = None
-    inside = False
-    for line in text.splitlines():
-        if line.startswith("channel:"):
-            inside = True
-            continue
-        if not inside:
-            continue
-        if line.strip() and not line[0].isspace():
-            break
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            block.append(stripped.lstrip("#").strip())
-            run = None
-            continue
-        m = _KEY.match(line)
-        if m:
-            name, rest = m.group(1), m.group(2)
-            inline = rest.split(" #", 1)[1].strip() if " #" in rest else ""
-            if inline:
-                own[name] = inline
-            elif block:
-                own[name] = " ".join(block)
-            if block:
-                run = _Run(" ".join(block), [name])
-                runs.append(run)
-            elif run is not None:
-                run.names.append(name)
-            block = []
-            continue
-        block, run = [], None
-    return own, runs
+    return _comment_runs(text, "channel:", "#", _KEY, inline=True)
 
 
 def _from_runs(runs: Sequence[_Run], name: str) -> Optional[str]:
