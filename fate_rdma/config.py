@@ -133,6 +133,12 @@ class ChannelConfig:
     #: a transfer not done this long after it started fails (TransferTimeout), whatever its progress
     transfer_timeout_s: float = 3600.0
     connect_timeout_s: float = 10.0
+    #: a connection that breaks mid-transfer (a reset, a route flap, a peer host paused) is dialed again for
+    #: this long, with backoff; the peers authenticate anew and the sender sends only what the receiver does not
+    #: hold verified (FedRDMA; a FedRDMA-E transfer is sent again whole), each transfer delivered once. Both
+    #: ends keep the transfers' state meanwhile, within the memory budget. 0 = off: a broken connection fails
+    #: its transfers at once (docs/operations.md, "Dropped links")
+    resume_window_s: float = 60.0
     #: verbs provider: "auto", "pyverbs" or "soft"; device name for pyverbs
     provider: str = "auto"
     device: Optional[str] = None
@@ -250,6 +256,9 @@ class ChannelConfig:
         for name in ("no_progress_timeout_s", "transfer_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive")
+        if isinstance(self.resume_window_s, bool) or not isinstance(self.resume_window_s, (int, float)) \
+                or not 0 <= self.resume_window_s < float("inf"):
+            bad(f"resume_window_s must be >= 0 seconds (0 = off), got {self.resume_window_s!r}")
         if self.no_progress_timeout_s > self.transfer_timeout_s:
             if self.no_progress_timeout_s != NO_PROGRESS_DEFAULT_S:
                 bad("no_progress_timeout_s exceeds transfer_timeout_s")

@@ -43,6 +43,7 @@ ERROR_KINDS = ("integrity", "too_large", "protocol", "timeout", "unreachable", "
                "config", "other")
 #: transfer_duration_seconds' buckets: a small message on loopback to a 2 GB model between sites
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RESUME_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 CONNECT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "fate_rdma_"
 
@@ -81,6 +82,12 @@ class _Metrics:
                                  buckets=CONNECT_BUCKETS, **r)
         self.connect_retries = Counter(PREFIX + "connect_retries", "Dials tried again (the peer busy or not up yet)",
                                        **r)
+        self.resumes = Counter(PREFIX + "resumes", "Transfers resumed on a new connection after theirs broke",
+                               ("peer",), **r)
+        self.resent_bytes = Counter(PREFIX + "resent_bytes", "Payload bytes sent again on resuming: they had left "
+                                    "before the connection broke, but the receiver did not hold them", ("peer",), **r)
+        self.resume_seconds = Histogram(PREFIX + "resume_duration_seconds", "Seconds from a connection breaking "
+                                        "under a transfer to its resumption on a new one", buckets=RESUME_BUCKETS, **r)
         self.in_flight = Gauge(PREFIX + "in_flight_bytes", "Payload bytes of transfers queued or moving now",
                                multiprocess_mode="livesum", **r)
         self.registered = Gauge(PREFIX + "registered_bytes",
@@ -311,6 +318,16 @@ def opened() -> Any:
 def closed(token: Any) -> None:
     if token is not None:
         token.connections.dec()
+
+
+@_guarded
+def resumed(peer: str, seconds: float, resent_bytes: int) -> None:
+    """A transfer to `peer` was resumed `seconds` after its connection broke, sending `resent_bytes` again."""
+    m = _m
+    if m is not None:
+        m.resumes.labels(peer).inc()
+        m.resent_bytes.labels(peer).inc(resent_bytes)
+        m.resume_seconds.observe(seconds)
 
 
 @_guarded

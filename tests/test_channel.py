@@ -253,14 +253,17 @@ def test_cancel_mid_transfer(mode, provider, monkeypatch):
 
 @pytest.mark.system  # a peer process is started and killed: about 10 s each
 def test_peer_death_mid_transfer_errors_without_leaks(mode, provider, monkeypatch):
-    cfg = cfg_for(mode, provider, **slow_transfer(provider, monkeypatch, window=2, slot_bytes=8 << 20))
+    """The peer's process dies: the transfer waits resume_window_s for it to come back, then fails naming it;
+    a send meanwhile waits behind it and fails with it."""
+    cfg = cfg_for(mode, provider, **slow_transfer(provider, monkeypatch, window=2, slot_bytes=8 << 20,
+                                                  resume_window_s=2))
     peer = Peer(cfg)
     try:
         ep = Endpoint(cfg)
         fut = ep.send(peer.address, bytes(6 << 20))
         wait_for(lambda: fut.progress_bytes > 0, 20, "progress of the transfer")
         os.kill(peer.proc.proc.pid, signal.SIGKILL)
-        with pytest.raises(E.PeerUnreachable):  # within the deadline, not a hang
+        with pytest.raises(E.PeerUnreachable, match="not back within resume_window_s"):  # not a hang
             fut.result(20)
         with pytest.raises(E.PeerUnreachable):
             ep.send(peer.address, b"x").result(10)

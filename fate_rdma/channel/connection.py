@@ -4,7 +4,6 @@ side (send, release, close) and its teardown. Its transfers are run by its engin
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
@@ -14,7 +13,7 @@ import easypyverbs as ev
 from .. import metrics, protocol as P
 from ..config import ChannelConfig
 from ..errors import FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError
-from ..protocol.frames import MAX_META
+from ..protocol.frames import MAX_META, ResumeState
 from .auth import Identity, direction_keys
 from .buffers import Budget, RecvBuffers, Share
 from .checksum import block_hasher, integrities, payload_checksum_async
@@ -28,6 +27,7 @@ from .leaving import LeavingDigest
 from .outgoing import Outgoing, Where
 from .path import Path
 from .posting import connection_path, data_qp_cap
+from .resume import RESUME_KEY, RESUME_ROOM, Pending, Resumer
 from .transfer import Buffers, Fill, Message, Payload, TransferFuture
 from .wire import Wire
 
@@ -55,7 +55,13 @@ class Host(Protocol):
     @property
     def recv_buffers(self) -> RecvBuffers: ...
 
+    @property
+    def resumer(self) -> Optional[Resumer]: ...
+
     def send_sge_limit(self, cq: ev.CQ) -> int: ...
+
+    def next_transfer_id(self) -> int:
+        """An id no other transfer of this endpoint has (it stays the transfer's when it is resumed)."""
 
     def deliver(self, msg: Message) -> None:
         """A complete message from a peer, for the application."""
@@ -64,9 +70,35 @@ class Host(Protocol):
         """`conn` has ended: no more sends on it."""
 
 
+def checked_metadata(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A transfer's metadata, if the channel can carry it (else FateRdmaError, naming why)."""
+    md = dict(metadata or {})
+    if RESUME_KEY in md:
+        raise FateRdmaError(f"metadata key {RESUME_KEY!r} is the channel's own")
+    n = len(json.dumps(md, separators=(",", ":")).encode())
+    if n > MAX_META - RESUME_ROOM:
+        raise FateRdmaError(f"metadata of {n} bytes exceeds {MAX_META - RESUME_ROOM} (the frame's {MAX_META} less "
+                            f"what a resumed transfer adds)")
+    return md
+
+
+def pending(buffers: Buffers, metadata: Optional[Dict[str, Any]], fill: Optional[Fill], tid: int,
+            canceller: Any) -> Pending:
+    """A new transfer of `buffers`, as its sender keeps it until the peer has it (resume.Pending)."""
+    md = checked_metadata(metadata)
+    total = Payload.measure(buffers)
+    if fill is not None and fill.total != total:
+        raise ValueError(f"a fill of {fill.total} bytes for a payload of {total}")
+    fut = TransferFuture(tid, total, canceller)
+    fut.set_running_or_notify_cancel()
+    return Pending(fut, buffers, fill, md, total)
+
+
 class Connection:
-    def __init__(self, endpoint: Host, boot: ev.BootstrapConn, dialer: bool, identity: Identity) -> None:
-        """`identity`: who the peer proved to be on `boot` (auth.authenticate ran first)."""
+    def __init__(self, endpoint: Host, boot: ev.BootstrapConn, dialer: bool, identity: Identity,
+                 address: Optional[str] = None) -> None:
+        """`identity`: who the peer proved to be on `boot` (auth.authenticate ran first); `address`: what was
+        dialed (the peer's name if it dialed)."""
         self.endpoint = endpoint
         self.cfg: ChannelConfig = endpoint.config
         self.boot = boot
@@ -85,12 +117,12 @@ class Connection:
         #: that an rkey's MR and the QP share the PD), whatever the other peer learnt of it
         self.pd = endpoint.ctx.alloc_pd()
         self._counted: object = None  # metrics.opened's token while this connection counts as live
-        self._tids = itertools.count(2)  # (next() on it is atomic: user threads take ids without a lock)
         try:
             self.engine, modes = self._setup(endpoint.ctx, self.pd, boot)
         except BaseException:
             self._release_resources()
             raise
+        self.engine.resume, self.engine.address = endpoint.resumer, address or self.peer
         self._counted = metrics.opened()  # (before the engine runs: its end says closed)
         try:
             self.engine.start(modes)
@@ -205,14 +237,46 @@ class Connection:
              fill: Optional[Fill] = None) -> TransferFuture:
         if self.dead is not None:
             raise PeerUnreachable(f"connection to {self.peer} is down: {self.dead}")
-        meta = json.dumps(metadata or {}, separators=(",", ":")).encode()
+        p = pending(buffers, metadata, fill, self.endpoint.next_transfer_id(), self.engine.cancel)
+        return self._submit(p, 0)
+
+    def resend(self, p: Pending, start: int) -> None:
+        """Send transfer `p` again, from byte `start` (what the peer did not hold of it: resume.py)."""
+        if p.fill is not None and not p.fill.done:  # (the copy runs on: only its final bytes go)
+            p.fill.when_done(lambda: self._resend_filled(p, start))
+            return
+        self._resend_filled(p, start)
+
+    def _resend_filled(self, p: Pending, start: int) -> None:
+        if p.fill is not None and p.fill.error is not None:
+            p.fut.set_exception(PeerUnreachable(f"transfer {p.fut.transfer_id}: the payload's copy failed: "
+                                                f"{p.fill.error}"))
+            return
+        p.fut.rebind(self.engine.cancel)
+        try:
+            self._submit(p, start)
+        except FateRdmaError as exc:
+            if not p.fut.done():
+                p.fut.set_exception(exc)
+
+    def ask_resume(self, tid: int, total: int) -> Tuple[ResumeState, int]:
+        """What the peer holds of transfer `tid` (resume.py): its state and the first bytes it holds, verified."""
+        try:
+            return self.engine.ask_resume(tid, total).result(timeout=self.cfg.connect_timeout_s)
+        except TimeoutError:
+            raise PeerUnreachable(f"{self.peer} did not say within {self.cfg.connect_timeout_s:g} s what it holds "
+                                  f"of transfer {tid}") from None
+
+    def _submit(self, p: Pending, start: int) -> TransferFuture:
+        """Transfer `p`'s bytes from `start` on (all of it: 0), as the engine's next."""
+        fill = p.fill if start == 0 else None
+        md = p.metadata if start == 0 and not p.resumes else {**p.metadata, RESUME_KEY: [start, p.total]}
+        meta = json.dumps(md, separators=(",", ":")).encode()
         if len(meta) > MAX_META:
             raise FateRdmaError(f"metadata of {len(meta)} bytes exceeds {MAX_META}")
-        payload = Payload(self.pd, buffers, fill)
-        tid = (id(self) & 0xFFFF) << 40 | next(self._tids)
-        fut = TransferFuture(tid, payload.total, self.engine.cancel)
-        fut.set_running_or_notify_cancel()
-        out = Outgoing(fut, payload, meta, self.send_integrity)
+        payload = Payload(self.pd, p.buffers if start == 0 else p.views(start), fill)
+        fut = p.fut
+        out = Outgoing(fut, payload, meta, self.send_integrity, p, start)
         if out.checksums and self.cfg.mode == "fedrdma-e":
             # digested as its chunks leave (leaving.py: made with its chunks, fedrdma_e.SlotSender.pump), else now
             out.leave_ok = LeavingDigest.wanted(payload.total, self.send_integrity, fill, [rc.qp for rc in self.rcs],

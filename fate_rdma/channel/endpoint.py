@@ -2,8 +2,10 @@
 and serves many peers at once (an arbiter receiving from N clients concurrently)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -19,11 +21,13 @@ from ..config import ChannelConfig, is_loopback_host as _loopback, port_range
 from ..errors import AuthenticationError, ConfigError, FateRdmaError, PeerUnreachable, TransferTimeout
 from .auth import authenticate, load_secret, seal
 from .buffers import Budget, RecvBuffers
-from .connection import Connection
+from .connection import Connection, checked_metadata, pending
+from .engine import Engine
 from .layout import same_host_capable
 from .posting import send_sge_limit
 from .posture import posture
 from ..protocol.integrity import KEYED
+from .resume import Resumer
 from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
 
@@ -144,6 +148,10 @@ class Endpoint:
                                     else max(2, config.max_pending_handshakes // 4),
                                     self._party_hosts.__contains__,
                                     config.max_pending_handshakes if allowed_peers is not None else 0)
+        #: transfer ids: a random prefix of this endpoint's (a restarted process does not reuse its ids) and a count
+        self._tid_prefix, self._tids = secrets.randbits(22) << 40, itertools.count(1)
+        #: resume.py: transfers that outlive a connection which broke under them (None: resume_window_s 0)
+        self._resumer = Resumer(self, config.resume_window_s) if config.resume_window_s > 0 else None
         self.refused = 0  # connections closed unauthenticated or over the pending cap (for tests and doctor)
         self.last_refusal = ""  # why the last connection that failed its handshake here was refused
         self._closed = False
@@ -164,6 +172,17 @@ class Endpoint:
         return self.ctx.label
 
     @property
+    def resumer(self) -> Optional[Resumer]:
+        return self._resumer
+
+    def recv_alloc(self, n: int) -> Any:
+        """A buffer for a message's copy (Message.detach): a recycled reassembly buffer."""
+        return self.recv_buffers.get(n)
+
+    def next_transfer_id(self) -> int:
+        return self._tid_prefix | next(self._tids)  # (next() on a count is atomic: no lock)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -182,6 +201,8 @@ class Endpoint:
     # -- connections ----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closed:
+            if self._resumer is not None:
+                self._resumer.expire()
             try:
                 boot = self.listener.accept(timeout_s=0.5)
             except ev.BootstrapError:
@@ -238,9 +259,10 @@ class Endpoint:
         if old is not None and old is not conn:
             old.close()
 
-    def connect(self, address: str) -> Connection:
+    def connect(self, address: str, timeout_s: Optional[float] = None) -> Connection:
         """The connection to the endpoint at `address` (host:port), made on first use and reused. With
-        authentication on, the endpoint there must prove that its name is `address`."""
+        authentication on, the endpoint there must prove that its name is `address`. `timeout_s`: how long
+        a dial may take (connect_timeout_s)."""
         with self._lock:
             conn = self._live(address)
             if conn is not None:
@@ -253,7 +275,7 @@ class Endpoint:
                     return conn
             host, _, port = address.rpartition(":")
             started = time.monotonic()
-            retry = self.dial_retry(self.config.connect_timeout_s)
+            retry = self.dial_retry(self.config.connect_timeout_s if timeout_s is None else timeout_s)
             for _ in retry:
                 try:
                     boot = ev.connect(host, int(port), timeout_s=max(0.1, retry.left_s()), source=self._host)
@@ -294,7 +316,7 @@ class Endpoint:
                 if who.authenticated and who.name != address:
                     metrics.auth_failed("dialer")
                     raise AuthenticationError(f"the endpoint at {address} proved it is {who.name!r}, not {address!r}")
-                conn = Connection(self, boot, dialer=True, identity=who)
+                conn = Connection(self, boot, dialer=True, identity=who, address=address)
                 metrics.dialed(time.monotonic() - started)
             except (ev.EasyVerbsError, OSError) as exc:
                 boot.close()
@@ -357,6 +379,10 @@ class Endpoint:
                 if spare is not None and spare.dead is None:
                     self._conns[k] = spare
 
+    def engines_of(self, peer: str) -> List[Engine]:  # (resume.Home)
+        """The engines of the connections to `peer` (resume.py)."""
+        return [c.engine for c in self._all_conns() if c.peer == peer]
+
     def _all_conns(self) -> List[Connection]:
         with self._lock:
             return list({id(c): c for c in [*self._conns.values(), *self._extra.values()]}.values())
@@ -389,6 +415,13 @@ class Endpoint:
         with `fill`, buffers still being copied into (back to front): chunks go as their bytes are final."""
         began = time.monotonic()  # (c_send is stamped with the call's start: before the engine can start it)
         try:
+            checked_metadata(metadata)  # (before a dial: a send that cannot go fails at once)
+            resumer = self._resumer
+            waiting = None if resumer is None else resumer.waiting(address, lambda: pending(
+                buffers, metadata, fill, self.next_transfer_id(), lambda f: None))
+            if waiting is not None:  # (its connection broke: it goes behind the transfers that wait for it)
+                trace.event("c_send", at=began, tid=waiting.transfer_id, bytes=waiting.total_bytes, peer=address)
+                return waiting
             conn = self.connect(address)
             fut = conn.send(buffers, metadata, fill)
         except FateRdmaError as exc:
@@ -409,6 +442,11 @@ class Endpoint:
 
     def deliver(self, msg: Message) -> None:
         """A complete message from a connection: to the taker (on_message), else to the inbox."""
+        if self._resumer is not None:  # (a transfer delivered once, the rest of one behind what was held of it)
+            whole = self._resumer.arrived(msg)
+            if whole is None:
+                return
+            msg = whole
         trace.event("c_deliver", tid=msg.transfer_id, bytes=msg.nbytes, peer=msg.peer)
         if metrics.enabled():
             conn = self._conns.get(msg.peer) or self._extra.get(msg.peer)
@@ -446,6 +484,8 @@ class Endpoint:
                 log.info("fate-rdma endpoint %s at close: %s", self.name, "; ".join(describe_live(self.pool_report())))
             except Exception:  # (a report is not worth failing a close over)
                 log.debug("fate-rdma endpoint %s: no pool report at close", self.name, exc_info=True)
+        if self._resumer is not None:
+            self._resumer.close()
         for c in self._all_conns():
             c.close()
         self.recv_buffers.clear()

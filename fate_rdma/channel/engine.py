@@ -16,11 +16,12 @@ threads.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Deque, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import easypyverbs as ev
 from easypyverbs.bootstrap import loads_object
@@ -31,7 +32,7 @@ from .. import metrics, protocol as P
 from ..config import ChannelConfig
 from ..errors import (ConfigError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError, TransferCancelled,
                       TransferError)
-from ..protocol.frames import CtrlKind, ErrorCode
+from ..protocol.frames import CtrlKind, ErrorCode, ResumeState
 from ..protocol.hello import Hello
 from ..protocol.packing import StagedWrite, decode_imm, is_recv, split_recv_wr_id
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes
@@ -45,10 +46,15 @@ from .port import Plan
 from .transfer import Message, TransferFuture
 from .wire import Wire
 
+if TYPE_CHECKING:
+    from .resume import Resumer
+
 log = logging.getLogger("fate_rdma.channel")
 
-#: what a request carries: SEND its transfer, CANCEL the transfer's future, RELEASE a slot, STOP nothing
-_Arg = Union[Outgoing, TransferFuture, int, None]
+#: what a request carries: SEND its transfer, CANCEL the transfer's future, RELEASE a slot, STOP nothing;
+#: ASK (transfer id, bytes, the future of the answer), ANSWER (transfer id, ResumeState, bytes held), BREAK why
+_Arg = Union[Outgoing, TransferFuture, int, None, Tuple[int, int, "concurrent.futures.Future[Tuple[ResumeState, int]]"],
+             Tuple[int, ResumeState, int], BaseException]
 
 
 @dataclass
@@ -96,6 +102,12 @@ class Engine:
         self._failed: Optional[BaseException] = None  # what a borrowed turn raised, for the engine to die of
         self._dead_err: Optional[BaseException] = None  # what requests that come after _die are failed with
         self._hooked = False
+        #: resume.py: where transfers go when the connection breaks under them, and what the peer is told it
+        #: holds of its own (None: resume_window_s is 0); `address`: what to dial to resume
+        self.resume: Optional["Resumer"] = None
+        self.address = self.peer
+        self._resumable = False  # the connection ended for a reason of its path: its transfers wait for the next
+        self._asked: Dict[int, Tuple[int, "concurrent.futures.Future[Tuple[ResumeState, int]]"]] = {}
         self.thread = threading.Thread(target=self._run, name=f"fate-rdma-conn-{self.peer}", daemon=True)
 
     def start(self, modes: Modes) -> None:
@@ -123,6 +135,19 @@ class Engine:
         if self.thread.is_alive():
             self._request(Request.STOP, None)
             self.thread.join(timeout=10)
+
+    def ask_resume(self, tid: int, total: int) -> "concurrent.futures.Future[Tuple[ResumeState, int]]":
+        """What the peer holds of transfer `tid` of `total` bytes (RESUME; the future of its RESUMED)."""
+        fut: "concurrent.futures.Future[Tuple[ResumeState, int]]" = concurrent.futures.Future()
+        self._request(Request.ASK, (tid, total, fut))
+        return fut
+
+    def answer_resume(self, tid: int, state: ResumeState, held: int) -> None:
+        self._request(Request.ANSWER, (tid, state, held))
+
+    def break_off(self, why: PeerUnreachable) -> None:
+        """End the connection as if its path had broken: its transfers wait for the next (resume.py)."""
+        self._request(Request.BREAK, why)
 
     def _request(self, kind: Request, arg: _Arg) -> None:
         self._requests.append((kind, arg))
@@ -177,9 +202,22 @@ class Engine:
             except IndexError:
                 return
             if kind is Request.SEND and isinstance(arg, Outgoing):
-                arg.payload.close()
-                if not arg.fut.done():
-                    arg.fut.set_exception(err)
+                self._lose(arg, err)
+            elif kind is Request.ASK and isinstance(arg, tuple) and isinstance(arg[2], concurrent.futures.Future):
+                arg[2].set_exception(err)
+
+    def _lose(self, o: Outgoing, err: BaseException) -> None:
+        """The connection ended under `o`: it waits for the next connection (resume.py) or fails with `err`."""
+        o.payload.close()
+        if o.fut.done():
+            return
+        p = o.source
+        if self._resumable and self.resume is not None and p is not None:
+            p.sent = p.sent or o.posted_any
+            p.posted = (o.base + o.posted_lo, o.base + o.posted_hi) if o.posted_any else (0, 0)
+            if self.resume.orphan(self.address, p, err):
+                return
+        o.fut.set_exception(err)
 
     # -- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -230,6 +268,17 @@ class Engine:
                 self.modes.slot_receiver.release(arg)
             elif kind is Request.STOP:
                 self._stop = True
+            elif kind is Request.ASK and isinstance(arg, tuple):
+                tid, total, fut = arg
+                assert isinstance(fut, concurrent.futures.Future)
+                self._asked[int(tid)] = (int(total), fut)
+                self.send_ctrl(P.Ctrl(CtrlKind.RESUME, int(tid), int(total)))
+            elif kind is Request.ANSWER and isinstance(arg, tuple):
+                tid, state, held = arg
+                assert isinstance(state, ResumeState) and isinstance(held, int)
+                self.send_ctrl(P.Ctrl(CtrlKind.RESUMED, int(tid), int(state), held))
+            elif kind is Request.BREAK and isinstance(arg, BaseException):
+                raise arg
 
     def _cancel_out(self, fut: TransferFuture) -> None:
         a = self._active
@@ -322,9 +371,11 @@ class Engine:
         o.payload.close()
         self.step_aside(o)
         secs = o.finished()
-        o.fut.set_result({"transfer_id": o.fut.transfer_id, "bytes": o.payload.total, "seconds": secs,
+        p = o.source
+        o.fut.set_result({"transfer_id": o.fut.transfer_id, "bytes": p.total if p else o.payload.total, "seconds": secs,
                           "mode": o.mode.value if o.mode else "", "window": o.fut.window, "chunks": o.fut.chunks,
-                          "qps": self.path.active_qps})
+                          "qps": self.path.active_qps, "resumes": p.resumes if p else 0,
+                          "resent_bytes": p.resent_bytes if p else 0})
 
     def fail(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None:
         if o.error is not None:
@@ -447,6 +498,13 @@ class Engine:
                 modes.slot_sender.on_done(c.transfer_id, a)
         elif c.kind is CtrlKind.ERROR:
             self._on_error(c, a)
+        elif c.kind is CtrlKind.RESUME:
+            if self.resume is None:  # (resume_window_s 0: nothing is held here)
+                self.send_ctrl(P.Ctrl(CtrlKind.RESUMED, c.transfer_id, int(ResumeState.UNKNOWN), 0))
+            else:
+                self.resume.answer(self, peer, c.transfer_id, int(c.value))
+        elif c.kind is CtrlKind.RESUMED:
+            self._on_resumed(c)
         elif c.kind is CtrlKind.PROBE:
             self.send_ctrl(P.Ctrl(CtrlKind.PROBE_REPLY, 0, c.value))
         elif c.kind is CtrlKind.PROBE_REPLY:
@@ -455,6 +513,22 @@ class Engine:
                 log.info("connection to %s: RTT %.3f ms, window %d of %d-byte chunks, %s, data path %s", peer,
                          (probe.rtt_s or 0.0) * 1e3, *self.path.window(self.cfg.mode == "fedrdma-e"),
                          self.label, self.where["path"])
+
+    def _on_resumed(self, c: P.Ctrl) -> None:
+        """The peer's answer to a RESUME of ours, checked: a state it may be in, bytes it may hold."""
+        asked = self._asked.pop(c.transfer_id, None)
+        if asked is None:
+            raise RemoteProtocolError(f"{self.peer} sent RESUMED for transfer {c.transfer_id}, which this side "
+                                      f"did not ask about")
+        total, fut = asked
+        if c.value not in ResumeState.__members__.values():
+            raise RemoteProtocolError(f"{self.peer} sent RESUMED for transfer {c.transfer_id} in unknown state "
+                                      f"{c.value}")
+        state = ResumeState(c.value)
+        if (state is ResumeState.PARTIAL and not 0 < c.aux < total) or (state is not ResumeState.PARTIAL and c.aux):
+            raise RemoteProtocolError(f"{self.peer} sent RESUMED for transfer {c.transfer_id} of {total} bytes "
+                                      f"holding {c.aux} bytes in state {state.name}")
+        fut.set_result((state, int(c.aux)))
 
     def _on_error(self, c: P.Ctrl, a: Optional[Outgoing]) -> None:
         """The peer refused transfer `c.transfer_id` (ERROR): it fails with the error its code names."""
@@ -513,18 +587,28 @@ class Engine:
             # a peer that closes while idle is a normal end; losing it mid-transfer is not
             (log.warning if busy else log.info)("connection to %s lost: %s", self.peer, exc)
         err = exc if isinstance(exc, PeerUnreachable) else PeerUnreachable(f"connection to {self.peer} lost: {exc}")
+        # a broken path (not a close, not the peer's misbehaviour): the transfers wait for the next connection
+        self._resumable = not quiet and isinstance(self.dead, (PeerUnreachable, ev.EasyVerbsError)) \
+            and self.resume is not None
         self._dead_err = err
         placed = list(modes.slot_sender.placed.values()) if modes.slot_sender is not None else []
-        for o in ([self._active] if self._active else []) + list(self._outq) + self._draining + placed:
+        # (in the order they were sent: a transfer whose verdict is due, the active one, then the queue)
+        lost = {id(o): o for o in placed + ([self._active] if self._active else []) + list(self._outq)}
+        for o in self._draining:  # (failed before: their errors stand)
             o.payload.close()
-            if not o.fut.done():
-                o.fut.set_exception(err)
+            if not o.fut.done() and o.error is not None:
+                o.fut.set_exception(o.error)
         self._active, self._outq, self._draining = None, collections.deque(), []
         if modes.slot_sender is not None:
             modes.slot_sender.placed.clear()
+        for o in lost.values():
+            self._lose(o, err)
         self._fail_requests(err)
+        for _total, fut in self._asked.values():
+            fut.set_exception(err)
+        self._asked.clear()
         if modes.staged_receiver is not None:
-            modes.staged_receiver.clear()
+            modes.staged_receiver.clear(self.resume.keep if self._resumable and self.resume is not None else None)
         self._on_dead()
 
 

@@ -9,9 +9,10 @@ transitions are the protocol's).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import crc32c
+from numpy.typing import NDArray
 
 import easypyverbs as ev
 from easypyverbs.stalls import clock
@@ -31,6 +32,9 @@ from .outgoing import Outgoing
 from .port import Plan, RecvPort, SendPort
 
 log = logging.getLogger("fate_rdma.channel")
+
+#: resume.Resumer.keep: (peer, transfer id, bytes, metadata, reassembly buffer, first bytes arrived and verified)
+Keep = Callable[[str, int, int, Optional[bytes], NDArray[Any], int], None]
 
 
 def _machine(o: Outgoing) -> P.FedRdmaSender:
@@ -81,7 +85,7 @@ class StagedSender:
         if active is not None and active.machine is not None and active.fut.transfer_id == c.transfer_id \
                 and active.error is None and isinstance(active.machine, P.FedRdmaSender):
             active.machine.on_ack(int(c.value), clock())
-            active.fut.report_progress(active.machine.done_bytes)
+            active.report_progress(active.machine.done_bytes)
             if active.machine.finished:
                 self.port.finish(active)
 
@@ -173,6 +177,11 @@ class StagedReceiver:
             self.port.refuse(tid, ErrorCode.TIMEOUT, f"incoming transfer dropped: no chunk for "
                              f"{self.no_progress_s:g} s")
 
-    def clear(self) -> None:
+    def clear(self, keep: Optional[Keep] = None) -> None:
+        """The connection ended: let go of what was arriving, or hand it to `keep` (resume.Resumer.keep) as its
+        reassembly buffer and how many of its first bytes arrived, verified."""
         for tid in list(self._incoming):
+            inc = self._incoming[tid]
             self._forget(tid)
+            if keep is not None:
+                keep(self.peer, tid, inc.dest.nbytes, inc.meta, inc.dest, self.machine.held_prefix(tid))

@@ -139,7 +139,7 @@ class SlotSender:
     def on_write_complete(self, o: Outgoing, seq: int) -> None:
         m = _machine(o)
         m.on_write_complete(seq, clock())
-        o.fut.report_progress(m.done_bytes)
+        o.report_progress(m.done_bytes)
         # (a note goes on the control QP: one sent before the header arrives before it)
         self._send(m.placed_note())
         if m.state is SendState.DONE:  # the receiver's DONE overtook this completion

@@ -4,7 +4,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import time
-from typing import Optional, TypedDict, Union
+from typing import TYPE_CHECKING, Optional, TypedDict, Union
 
 from .. import trace
 from ..protocol.fedrdma import FedRdmaSender
@@ -13,6 +13,9 @@ from ..protocol.integrity import Digest, Integrity
 from ..protocol.policy import Mode
 from .leaving import LeavingDigest
 from .transfer import Payload, TransferFuture
+
+if TYPE_CHECKING:
+    from .resume import Pending
 
 #: a transfer's sending machine: FedRDMA's (staged chunks) or FedRDMA-E's (one receive slot)
 Machine = Union[FedRdmaSender, FedRdmaESender]
@@ -31,6 +34,9 @@ class Request(enum.Enum):
     CANCEL = "cancel"
     RELEASE = "release"
     STOP = "stop"
+    ASK = "ask"  # what does the peer hold of a transfer to resume (CTRL RESUME)
+    ANSWER = "answer"  # what this side holds of the peer's (CTRL RESUMED)
+    BREAK = "break"  # end the connection as if its path had broken (the peer resumed on a new one)
 
 
 class Wr(enum.Enum):
@@ -44,8 +50,12 @@ class Wr(enum.Enum):
 class Outgoing:
     """An outgoing transfer as the engine sees it."""
 
-    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, integrity: Integrity) -> None:
+    def __init__(self, fut: TransferFuture, payload: Payload, meta: bytes, integrity: Integrity,
+                 source: "Optional[Pending]" = None, base: int = 0) -> None:
+        """`source`: the transfer as its sender keeps it across connections (resume.py); `base`: where this
+        payload starts in it (the rest of a transfer resumed after a broken connection)."""
         self.fut, self.payload, self.meta = fut, payload, meta
+        self.source, self.base = source, base
         #: the checksum (and for a MAC the key) this side's transfers to the peer carry
         self.integrity = integrity
         self.checksums = integrity.on
@@ -60,6 +70,7 @@ class Outgoing:
         self.first_try: Optional[float] = None  # when it first asked for a FedRDMA-E slot
         self.pending_wrs = 0
         self.posted_any = False  # (a chunk of it was posted)
+        self.posted_lo, self.posted_hi = payload.total, 0  # the payload's bytes posted so far lie within
         self.error: Optional[BaseException] = None
         self.started = 0.0
 
@@ -74,8 +85,14 @@ class Outgoing:
         trace.event("c_done", tid=self.fut.transfer_id)
         return time.monotonic() - self.started
 
-    def note_posted(self) -> None:
-        """A chunk of it is being posted: the first is the transfer's first byte on the wire (trace)."""
+    def note_posted(self, offset: int, length: int) -> None:
+        """Bytes [offset, offset+length) of it are being posted: the first is the transfer's first byte on the
+        wire (trace)."""
+        self.posted_lo, self.posted_hi = min(self.posted_lo, offset), max(self.posted_hi, offset + length)
         if not self.posted_any:
             self.posted_any = True
             trace.event("c_first", tid=self.fut.transfer_id)
+
+    def report_progress(self, done_bytes: int) -> None:
+        """Its machine's word that `done_bytes` of this payload are through (of the whole, where it is a rest)."""
+        self.fut.report_progress(self.base + done_bytes)

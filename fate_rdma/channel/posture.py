@@ -51,4 +51,11 @@ def posture(cfg: ChannelConfig, host: Optional[str] = None) -> List[Line]:
     else:
         out.append(("note", "confidentiality: none (weights and memory keys travel in clear; tls: true encrypts "
                             "the soft provider's connections)"))
+    if cfg.resume_window_s > 0:
+        out.append(("ok", f"dropped links: a transfer whose connection breaks is resumed on a new one within "
+                          f"resume_window_s ({cfg.resume_window_s:g} s), the peers authenticated anew, what the "
+                          f"receiver holds told in {'sealed ' if cfg.keyed else ''}control frames"))
+    else:
+        out.append(("warning", "dropped links: NOT resumed (resume_window_s: 0): a connection that breaks fails its "
+                               "transfers, and the FATE task with them"))
     return out

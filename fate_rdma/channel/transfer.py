@@ -115,10 +115,21 @@ class Payload:
     """The caller's buffers registered (zero copy) as one virtual byte range; with a `fill`, bytes that
     are still being copied in."""
 
+    @staticmethod
+    def listed(buffers: Buffers) -> Sequence[Any]:
+        """`buffers` as a list of buffers (one buffer: a list of it)."""
+        if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, (list, tuple)):
+            return [buffers]
+        return buffers
+
+    @staticmethod
+    def measure(buffers: Buffers) -> int:
+        """The bytes of `buffers` (registering nothing)."""
+        return sum(ev.buffers.as_byte_view(b).nbytes for b in Payload.listed(buffers))
+
     def __init__(self, pd: ev.PD, buffers: Buffers, fill: Optional[Fill] = None) -> None:
         self.fill = fill
-        if isinstance(buffers, (bytes, bytearray, memoryview)) or not isinstance(buffers, (list, tuple)):
-            buffers = [buffers]
+        buffers = self.listed(buffers)
         self.mrs: List[ev.MR] = []
         self.starts: List[int] = []
         total = 0
@@ -183,6 +194,10 @@ class TransferFuture(concurrent.futures.Future[Dict[str, Any]]):
         self.chunks = 0
         self._canceller = canceller
         self._progress_cbs: List[Callable[[int, int], None]] = []
+
+    def rebind(self, canceller: Callable[["TransferFuture"], None]) -> None:
+        """Its cancel goes to `canceller` from now on (the transfer moved: resume.py)."""
+        self._canceller = canceller
 
     def add_progress_callback(self, fn: Callable[[int, int], None]) -> None:
         """fn(progress_bytes, total_bytes), called as chunks complete (from the connection's engine thread, a user's thread that took a turn, or a soft NIC's thread)."""

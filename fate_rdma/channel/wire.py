@@ -95,7 +95,7 @@ class Wire:
             o.pending_wrs += 1
             return self.wr_id(Wr.DATA, o, seq, 0)
 
-        o.note_posted()
+        o.note_posted(c.offset, c.length)
         post_chunk(qp, o.payload.sges(c.offset, c.length), c.offset, in_place, remote, roff,
                    signal if signal_last else None, o.leaving.hook_for(c) if o.leaving is not None else None)
 

@@ -357,6 +357,17 @@ class FedRdmaReceiver:
         p = self._partial.get(transfer_id)
         return 0 if p is None else p.got_bytes
 
+    def held_prefix(self, transfer_id: int) -> int:
+        """Bytes from the start of a transfer in progress that have all arrived, verified (what may be resumed)."""
+        p = self._partial.get(transfer_id)
+        end = 0
+        if p is not None:
+            for lo, hi in zip(p.starts, p.ends):
+                if lo != end:
+                    break
+                end = hi
+        return end
+
     def cancel(self, transfer_id: int) -> bool:
         """The sender cancelled the transfer (its CANCEL): forget it. True if it was in progress."""
         arriving = self.state(transfer_id) is RecvState.ARRIVING

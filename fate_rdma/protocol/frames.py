@@ -12,7 +12,7 @@ FedRDMA-E receive slot (written once, with the first chunk, by the last WRITE_WI
                       bit 3 FLAG_B3: the last 16 bytes are a keyed BLAKE3 tag (checksum blake3);
                       none: no checksum. More than one, or any other bit: a protocol error
     reserved     u16  0 (anything else is a protocol error)
-    transfer_id  u64  unique per sender and connection
+    transfer_id  u64  unique per sending endpoint (a transfer resumed on a new connection keeps its id)
     seq          u32  chunk number (0-based); FedRDMA-E: always 0
     nchunks      u32  chunks in the transfer
     offset       u64  where this chunk's bytes go in the payload
@@ -49,14 +49,16 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
     flags        u16  bit 0 CTRL_FLAG_MAC: a 16-byte tag follows the reason (set exactly when the connection
                       has a session key: authenticated by the secret or by TLS); no other bit
     reason_len   u16  bytes of reason text after the frame
-    transfer_id  u64  the transfer concerned (ACK, CANCEL, ERROR, DONE, GROW, PLACED); CREDIT: the slot's
-                      payload capacity in bytes under this grant; else 0
+    transfer_id  u64  the transfer concerned (ACK, CANCEL, ERROR, DONE, GROW, PLACED, RESUME, RESUMED);
+                      CREDIT: the slot's payload capacity in bytes under this grant; else 0
     value        u64  ACK: chunk seq; CREDIT, GROW, RECLAIM, RETURN: slot; ERROR: ErrorCode;
-                      PROBE/PROBE_REPLY: nonce; PLACED: slot << 48 | the payload's bytes
+                      PROBE/PROBE_REPLY: nonce; PLACED: slot << 48 | the payload's bytes; RESUME: the
+                      payload's bytes; RESUMED: ResumeState
     aux          u64  ACK: the staging buffer the chunk used (its credit goes back); CREDIT: the rkey
                       under which the slot is granted again; GROW: payload bytes the transfer needs;
                       RECLAIM, RETURN: the rkey of the grant asked back / handed back; PLACED: the
-                      payload offset from which every byte is placed; else 0
+                      payload offset from which every byte is placed; RESUMED: the bytes held (PARTIAL);
+                      else 0
 
     tag          16 B CTRL_FLAG_MAC only: keyed BLAKE2b-128 of (the frame's number on this connection in
                       this direction, u64 big-endian, counted from 0) || the frame and its reason, keyed
@@ -66,6 +68,8 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
                       that was dropped, fails its check and the connection with it.
 
 GROW, RECLAIM and RETURN resize FedRDMA-E receive slots; who sends which, and when, is in pool.py.
+RESUME and RESUMED travel on a connection made again after one broke mid-transfer (channel/resume.py):
+sealed like every frame, under the new connection's session key, so a relay cannot fake progress.
 """
 from __future__ import annotations
 
@@ -118,6 +122,12 @@ class CtrlKind(enum.IntEnum):
     #: `transfer_id` from offset `aux` to its end is placed in slot `value >> 48`, whose payload has
     #: `value & PLACED_TOTAL_MASK` bytes: the receiver may checksum them before the header arrives
     PLACED = 11
+    #: sender -> receiver, on a connection made again after one broke mid-transfer: what is held of
+    #: `transfer_id` (`value` payload bytes)? Answered by RESUMED
+    RESUME = 12
+    #: receiver -> sender: of `transfer_id`, this side holds state `value` (ResumeState), and with PARTIAL
+    #: the payload's first `aux` bytes, verified
+    RESUMED = 13
 
 
 class ErrorCode(enum.IntEnum):
@@ -127,6 +137,14 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 2  # the payload exceeds what this receiver accepts
     PROTOCOL = 3  # the sender's frames were malformed or inconsistent
     TIMEOUT = 4  # the receiver dropped the transfer: no progress within its deadline
+
+
+class ResumeState(enum.IntEnum):
+    """What a receiver holds of a transfer it is asked to resume (CTRL RESUMED)."""
+
+    UNKNOWN = 0  # nothing: send it whole
+    PARTIAL = 1  # its first `aux` bytes, verified: send the rest
+    DELIVERED = 2  # all of it, delivered: nothing to send
 
 
 @dataclasses.dataclass(frozen=True)

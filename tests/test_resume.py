@@ -1,0 +1,213 @@
+"""Resume, don't restart (channel/resume.py): a connection cut mid-transfer, at a random point, in both modes;
+the transfer is delivered once, its bytes verified, and FedRDMA sends again at most the chunks in flight at
+the cut plus one. Cuts: the sender's or the receiver's bootstrap connection reset, a data connection of the
+soft provider closed, a QP put in error. Also: what waits behind a cut transfer, a peer that restarts (it
+starts over), a peer that does not come back, what a receiver holds and lets go of, forged answers."""
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import easypyverbs as ev
+from fate_rdma import errors as E
+from fate_rdma.channel import Endpoint
+from fate_rdma.channel.resume import RESUME_KEY, _resume_field
+from fate_rdma.config import ChannelConfig
+from fate_rdma.protocol.frames import CtrlKind, ResumeState
+from fate_rdma.protocol import Ctrl
+
+from .test_channel import keyed_secret, wait_for
+
+CHUNK = 64 * 1024
+WINDOW = 4
+SIZE = 6 << 20
+CUTS = ["sender-bootstrap", "receiver-bootstrap", "data-socket", "qp-error"]
+
+
+def cfg(mode: str, **kw) -> ChannelConfig:
+    """Two endpoints of this process over the soft provider's TCP path, slowed by its link model so that a cut
+    lands mid-transfer; authenticated, so that the resume frames are sealed."""
+    base = dict(mode=mode, chunk_bytes=CHUNK, slot_bytes=8 << 20, slot_initial_bytes=CHUNK, provider="soft",
+                same_host=False, window=WINDOW, soft_link="rate=100mbit", no_progress_timeout_s=10,
+                connect_timeout_s=5, tcp_chunk_bytes=0, resume_window_s=10, secret_file=keyed_secret())
+    base.update(kw)
+    return ChannelConfig(**base)
+
+
+def payload(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def cut(ep: Endpoint, peer: str, how: str) -> None:
+    """Break `ep`'s connection to `peer` as the path would."""
+    conn = ep._conns[peer]
+    if how.endswith("bootstrap"):
+        conn.boot.sock.shutdown(socket.SHUT_RDWR)  # (a reset on the path: both ends see it end)
+    elif how == "data-socket":
+        conn.rcs[0].qp.requester.sock.shutdown(socket.SHUT_RDWR)
+    else:
+        conn.rcs[0].qp.enter_error(ev.WCStatus.RETRY_EXC_ERR, "the test put the QP in error")
+
+
+def no_more(ep: Endpoint, within_s: float = 0.5) -> None:
+    with pytest.raises(E.TransferTimeout):
+        extra = ep.recv(within_s)
+        pytest.fail(f"a second message arrived: transfer {extra.transfer_id}")
+
+
+@pytest.mark.parametrize("how", CUTS)
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_a_cut_transfer_is_resumed_and_delivered_once(mode, how):
+    seed = random.randrange(1 << 30)
+    at = random.Random(seed).uniform(0.1, 0.6)  # where it is cut: a fraction through (0.2 s or more left)
+    c = cfg(mode)
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        data = payload(SIZE, seed)
+        fut = tx.send(rx.address, data, {"round": 7})
+        wait_for(lambda: fut.progress_bytes >= at * SIZE or fut.done(), 30, f"{at:.0%} of the transfer (seed {seed})")
+        done_before = fut.done()
+        if how.startswith("receiver"):
+            cut(rx, tx.address, how)
+        else:
+            cut(tx, rx.address, how)
+        r = fut.result(30)
+        msg = rx.recv(10)
+        assert (msg.transfer_id, msg.metadata, msg.nbytes) == (fut.transfer_id, {"round": 7}, SIZE), seed
+        assert bytes(msg.view) == data.tobytes(), f"bytes differ (seed {seed})"
+        msg.release()
+        no_more(rx)
+        assert r["bytes"] == SIZE
+        assert r["resumes"] == (0 if done_before else 1), (r, seed)
+        if mode == "fedrdma":  # what is sent again: the chunks in flight at the cut, and one
+            assert r["resent_bytes"] <= (WINDOW + 1) * CHUNK, (r, seed)
+        assert tx.send(rx.address, b"after").result(10)["resumes"] == 0  # the new connection carries on
+        assert bytes(rx.recv(10).view) == b"after"
+        assert rx.resumer.held_bytes == 0 and rx.budget.held_bytes >= 0
+
+
+def test_transfers_queued_behind_a_cut_one_wait_and_go_in_order():
+    c = cfg("fedrdma")
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        datas = [payload(SIZE, i) for i in range(3)]
+        futs = [tx.send(rx.address, d, {"i": i}) for i, d in enumerate(datas)]
+        wait_for(lambda: futs[0].progress_bytes > SIZE // 3, 30, "a third of the first transfer")
+        cut(tx, rx.address, "sender-bootstrap")
+        for f in futs:
+            f.result(60)
+        got = [rx.recv(10) for _ in futs]
+        assert [m.metadata["i"] for m in got] == [0, 1, 2]
+        assert all(bytes(m.view) == d.tobytes() for m, d in zip(got, datas))
+        no_more(rx)
+        assert futs[0].result()["resumes"] == 1
+
+
+def test_a_peer_that_restarts_starts_over_and_sends_meanwhile_wait():
+    """The receiving endpoint closes mid-transfer and opens again at its address within the window: it holds
+    nothing of the transfer (a restarted process starts over), which is sent to it whole, once; a send made
+    while it was away waits behind it."""
+    c = cfg("fedrdma")
+    rx = Endpoint(c)
+    host, port = rx.address.rsplit(":", 1)
+    with Endpoint(c) as tx:
+        data = payload(SIZE, 1)
+        fut = tx.send(rx.address, data)
+        wait_for(lambda: fut.progress_bytes > SIZE // 4, 30, "a quarter of the transfer")
+        rx.close()
+        wait_for(lambda: tx.resumer._outages, 10, "the sender noticing")
+        later = tx.send(rx.address, b"meanwhile")
+        assert not later.done()
+        time.sleep(0.5)
+        with Endpoint(c, host=host, port=int(port)) as rx2:
+            assert fut.result(30)["resumes"] == 1 and later.result(30)
+            first, second = rx2.recv(10), rx2.recv(10)
+            assert bytes(first.view) == data.tobytes() and bytes(second.view) == b"meanwhile"
+            no_more(rx2)
+
+
+def test_a_peer_that_does_not_come_back_fails_the_transfer_naming_the_window_and_nothing_stays_held():
+    c = cfg("fedrdma", resume_window_s=1)
+    rx = Endpoint(c)
+    try:
+        tx = Endpoint(c)
+        fut = tx.send(rx.address, payload(SIZE, 2))
+        wait_for(lambda: fut.progress_bytes > SIZE // 3, 30, "a third of the transfer")
+        tx.close()  # (the sender is gone: the receiver holds what arrived, for the window)
+        wait_for(lambda: rx.resumer.held_bytes == SIZE, 10, "the receiver holding the transfer")
+        assert rx.budget.held_by(tx.address) >= SIZE  # (held bytes count against the memory budget)
+        wait_for(lambda: rx.resumer.held_bytes == 0, 10, "the receiver letting go after the window")
+        assert rx.budget.held_by(tx.address) == 0
+    finally:
+        rx.close()
+    c = cfg("fedrdma-e", resume_window_s=1)
+    rx = Endpoint(c)
+    with Endpoint(c) as tx:
+        fut = tx.send(rx.address, payload(SIZE, 3))
+        wait_for(lambda: fut.progress_bytes > 0, 30, "progress")
+        rx.close()
+        with pytest.raises(E.PeerUnreachable, match=r"not back within resume_window_s \(1 s\)"):
+            fut.result(30)
+
+
+def test_off_a_cut_fails_the_transfer_at_once():
+    c = cfg("fedrdma", resume_window_s=0)
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        assert rx.resumer is None
+        fut = tx.send(rx.address, payload(SIZE, 4))
+        wait_for(lambda: fut.progress_bytes > SIZE // 4, 30, "a quarter of the transfer")
+        cut(tx, rx.address, "sender-bootstrap")
+        with pytest.raises(E.PeerUnreachable):
+            fut.result(10)
+    from fate_rdma.channel.posture import posture
+
+    assert any("NOT resumed" in line for level, line in posture(c, "127.0.0.1") if level == "warning")
+
+
+@pytest.mark.parametrize("frame, why", [
+    (Ctrl(CtrlKind.RESUMED, 99, int(ResumeState.DELIVERED), 0), "did not ask about"),
+])
+def test_an_answer_nobody_asked_for_ends_the_connection_and_is_not_resumed(frame, why, caplog):
+    c = cfg("fedrdma")
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        tx.send(rx.address, b"x").result(10)
+        rx.recv(10)
+        rx._conns[tx.address].send_ctrl(frame)
+        conn = tx._conns[rx.address]
+        wait_for(lambda: conn.dead is not None, 10, "the connection ending")
+        assert isinstance(conn.dead, E.RemoteProtocolError) and why in str(conn.dead)
+        assert not tx.resumer._outages
+
+
+def test_a_forged_progress_answer_is_refused(monkeypatch):
+    """The receiver's answer claims more than the transfer holds: the sender's connection ends naming it, and
+    the transfer is not taken as delivered."""
+    from fate_rdma.channel import resume as R
+
+    real = R.Resumer.query
+
+    def lying(self, peer, tid, total):
+        state, held = real(self, peer, tid, total)
+        return (ResumeState.PARTIAL, total) if state is ResumeState.PARTIAL else (state, held)
+
+    monkeypatch.setattr(R.Resumer, "query", lying)
+    c = cfg("fedrdma", resume_window_s=3)
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        fut = tx.send(rx.address, payload(SIZE, 5))
+        wait_for(lambda: fut.progress_bytes > SIZE // 3, 30, "a third of the transfer")
+        cut(tx, rx.address, "sender-bootstrap")
+        with pytest.raises(E.FateRdmaError):
+            fut.result(30)
+        no_more(rx)
+
+
+def test_the_resume_field_read_from_the_wire_is_checked():
+    assert _resume_field([5, 10], 5) == (5, 10) and _resume_field([0, 10], None) == (0, 10)
+    for bad in ([5, 10, 1], [10, 10], [-1, 10], ["5", 10], [True, 10], {"a": 1}, None, [5, 10.0]):
+        assert _resume_field(bad, None) is None, bad
+    assert _resume_field([5, 10], 4) is None  # the rest of 10 bytes from 5 is 5 bytes
+    with pytest.raises(E.FateRdmaError, match=RESUME_KEY):
+        with Endpoint(cfg("fedrdma")) as ep:
+            ep.send("127.0.0.1:1", b"x", {RESUME_KEY: [0, 1]})
