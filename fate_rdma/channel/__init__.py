@@ -4,7 +4,9 @@ Where things are:
     endpoint.py    Endpoint: listens, dials, keeps one Connection per peer, the inbox of messages
     connection.py  Connection: set-up (hello, memory, QPs, the modes' parts), the user's side, teardown
     engine.py      Engine: the loop that runs both modes (requests, turns taken in the caller's or the
-                   soft NIC's thread, completions, the peer's control frames, deadlines), their port
+                   soft NIC's thread, deadlines, the end of a connection), their port
+    inbound.py     the engine's half that reads: completions and the peer's control frames, checked
+    resume.py      transfers that outlive a connection which broke under them: redial, ask, send the rest
     port.py        the port a mode sees of its connection (SendPort, RecvPort: typing.Protocol)
     wire.py        a connection's QPs as the engine posts on them, and its signalled WRs
     path.py        a connection's path as the policy sizes transfers for it (RTT, chunk, window, QPs)

@@ -18,9 +18,10 @@ from .auth import Identity, direction_keys
 from .buffers import Budget, RecvBuffers, Share
 from .checksum import block_hasher, integrities, payload_checksum_async
 from .control import RttProbe
-from .engine import Engine, Modes
+from .engine import Engine
 from .fedrdma import StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
+from .inbound import Modes
 from .handshake import Agreed, bootstrap_closed, confirm_posted, negotiate
 from .layout import LocalMemory
 from .leaving import LeavingDigest
