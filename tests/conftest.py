@@ -20,7 +20,7 @@ SYSTEM_MODULES = {
     "test_hugepages", "test_launcher", "test_llm_fedavg", "test_product_install", "test_rabbitmq",
     "test_rdma_vm", "test_same_host", "test_soft_shm", "test_sweep", "test_timeline", "test_verbs_processes",
     "test_wan", "test_flood", "test_prometheus", "test_site_check", "test_site_check_wan", "test_site_init",
-    "test_three_sites", "test_three_sites_mq",
+    "test_three_sites", "test_three_sites_mq", "test_resume_wan",
 }
 
 

@@ -246,6 +246,9 @@ class Resumer:
                 outage.pending.popleft()
             if p.fut.done():
                 continue
+            if not p.sent:  # (it waited: nothing of it left before, it goes as it would have)
+                conn.resend(p, 0)
+                continue
             p.fruitless, p.held = (0, start) if start > p.held else (p.fruitless + 1, p.held)
             if p.fruitless >= MAX_FRUITLESS and state is not ResumeState.DELIVERED:
                 with self._lock:
