@@ -321,6 +321,17 @@ class QP(Resource):
     def state(self) -> QPState:
         return QPState.ERR if self.closed else self._state()
 
+    def to_error(self, why: str = "moved to the error state") -> None:
+        """Move the QP to the error state (`ibv_modify_qp` to IBV_QPS_ERR): its posted work requests complete
+        with WR_FLUSH_ERR and nothing more is posted on it; `why` for the log. A QP in error is not reused: a
+        connection makes new ones."""
+        self._check_open()
+        self._to_error(why)
+
+    def _to_error(self, why: str) -> None:
+        """Provider hook."""
+        raise UsageError(f"{type(self).__name__} cannot be moved to the error state")
+
     @property
     def path_kind(self) -> DataPath:
         """How this QP's payloads move, for a policy to read; fixed once connected. A provider whose payloads

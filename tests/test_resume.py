@@ -20,7 +20,8 @@ from fate_rdma.config import ChannelConfig
 from fate_rdma.protocol.frames import CtrlKind, ResumeState
 from fate_rdma.protocol import Ctrl
 
-from .test_channel import keyed_secret, wait_for
+from .test_channel import cfg_for, keyed_secret, slow_transfer, wait_for
+from .verbs_pair import require
 
 CHUNK = 64 * 1024
 WINDOW = 4
@@ -50,7 +51,7 @@ def cut(ep: Endpoint, peer: str, how: str) -> None:
     elif how == "data-socket":
         conn.rcs[0].qp.requester.sock.shutdown(socket.SHUT_RDWR)
     else:
-        conn.rcs[0].qp.enter_error(ev.WCStatus.RETRY_EXC_ERR, "the test put the QP in error")
+        conn.rcs[0].qp.to_error("the test put the QP in error")
 
 
 def no_more(ep: Endpoint, within_s: float = 0.5) -> None:
@@ -87,6 +88,32 @@ def test_a_cut_transfer_is_resumed_and_delivered_once(mode, how):
         assert tx.send(rx.address, b"after").result(10)["resumes"] == 0  # the new connection carries on
         assert bytes(rx.recv(10).view) == b"after"
         assert rx.resumer.held_bytes == 0 and rx.budget.held_bytes >= 0
+
+
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+@pytest.mark.parametrize("provider", ["soft-tcp", "pyverbs"])
+def test_a_qp_in_error_is_resumed_on_new_queue_pairs(provider, mode, monkeypatch):
+    """Both providers (pyverbs: rxe0 in the VM leg): the sender's QP is put in error mid-transfer (a QP in
+    error cannot be used again); the connection is made again with new QPs and memory keys, and the transfer
+    resumed and delivered once."""
+    require(provider)
+    c = cfg_for(mode, provider, **slow_transfer(provider, monkeypatch, window=2, slot_bytes=8 << 20,
+                                                resume_window_s=10, secret_file=keyed_secret()))
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        data = payload(3 << 20, 9)
+        fut = tx.send(rx.address, data)
+        wait_for(lambda: fut.progress_bytes > (1 << 20), 30, "a third of the transfer")
+        old = tx._conns[rx.address]
+        old.rcs[0].qp.to_error("the test put the QP in error")
+        assert fut.result(60)["resumes"] == 1
+        msg = rx.recv(10)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+        no_more(rx)
+        new = tx._conns[rx.address]
+        assert new is not old and all(rc.qp.state is ev.QPState.RTS for rc in new.rcs)
+        key = "staging" if mode == "fedrdma" else "slot0"  # (memory granted anew, under new keys)
+        assert new.remote[key].rkey != old.remote[key].rkey
 
 
 def test_transfers_queued_behind_a_cut_one_wait_and_go_in_order():

@@ -50,7 +50,7 @@ def _firewall(ns: str, rule: str) -> None:
 
 def _site(tb, i: int, *argv: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(wan.in_ns(tb.site_ns(i), [sys.executable, "-m", "tests.resume_site", *argv]),
+    return subprocess.Popen(wan.in_ns(tb.site_ns(i), [sys.executable, "-m", "fate_rdma_lab.eval.faults_site", *argv]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
 

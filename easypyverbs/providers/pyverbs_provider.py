@@ -420,6 +420,15 @@ class PyverbsQP(QP):
         self._in_error = state in (QPState.ERR, QPState.SQE)
         return state
 
+    def _to_error(self, why: str) -> None:
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr()
+        attr.qp_state = self.e.IBV_QPS_ERR
+        call("modify QP to ERR", self._qp.modify, attr, self.e.IBV_QP_STATE)
+        self._in_error = True
+        log.info("QP %d -> ERR: %s", self._qp.qp_num, why)
+
     def _connect(self, remote: QPInfo, timeout_s: float, patient_until: float) -> None:  # (no wait on the peer)
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr

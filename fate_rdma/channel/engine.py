@@ -353,7 +353,7 @@ class Engine(Inbound):
         o.fut.set_result({"transfer_id": o.fut.transfer_id, "bytes": p.total if p else o.payload.total, "seconds": secs,
                           "mode": o.mode.value if o.mode else "", "window": o.fut.window, "chunks": o.fut.chunks,
                           "qps": self.path.active_qps, "resumes": p.resumes if p else 0,
-                          "resent_bytes": p.resent_bytes if p else 0})
+                          "resent_bytes": p.resent_bytes if p else 0, "resume_wait_s": p.waited_s if p else 0.0})
 
     def fail(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None:
         if o.error is not None:

@@ -108,6 +108,8 @@ class Pending:
     posted: Tuple[int, int] = (0, 0)
     resumes: int = 0
     resent_bytes: int = 0
+    #: seconds it waited for a connection again, all its resumes together
+    waited_s: float = 0.0
     #: resumes in a row that found the receiver holding no more of it than the one before; what it held then
     fruitless: int = 0
     held: int = -1
@@ -262,6 +264,7 @@ class Resumer:
             resent = max(0, hi - max(lo, start)) if state is not ResumeState.DELIVERED else 0
             p.resumes += 1
             p.resent_bytes += resent
+            p.waited_s += time.monotonic() - outage.since
             with self._lock:
                 self.resumed += 1
                 self.resent_bytes += resent
@@ -274,7 +277,7 @@ class Resumer:
             if state is ResumeState.DELIVERED:
                 p.fut.set_result({"transfer_id": p.fut.transfer_id, "bytes": p.total, "seconds": 0.0,
                                   "mode": p.fut.mode, "window": p.fut.window, "chunks": p.fut.chunks, "qps": 0,
-                                  "resumes": p.resumes, "resent_bytes": p.resent_bytes})
+                                  "resumes": p.resumes, "resent_bytes": p.resent_bytes, "resume_wait_s": p.waited_s})
             else:
                 conn.resend(p, start)
 

@@ -273,6 +273,9 @@ class SoftQP(QP):
         else:
             self.enter_error(status, why)
 
+    def _to_error(self, why: str) -> None:
+        self.enter_error(WCStatus.WR_FLUSH_ERR, why)
+
     def enter_error(self, first_status: WCStatus, why: str) -> None:
         with self.cv:
             if self.st == QPState.ERR:
