@@ -1,4 +1,4 @@
-"""`fate-rdma eval link|stress|fairness|fate|cost`: fate-rdma against TCP and FATE on a WAN testbed of real
+"""`fate-rdma eval link|stress|fairness|fate|faults|cost`: fate-rdma against TCP and FATE on a WAN testbed of real
 packets (network namespaces, shaped links), each run a folder of evidence.
 
 link, stress, fairness and fate build a WAN testbed of their own (`fate-rdma wan`; root; prefix freval by
@@ -16,9 +16,10 @@ packets on 2 cores cannot carry the paper's 10 Gbit/s x 20 ms, and every row say
   fate-rdma eval fairness --quick        # 3 clients -> 1 arbiter at once: per-client times, slowest vs fastest
   fate-rdma eval fate --quick            # FATE's own path (OSX engine) vs fate-rdma: FedAvg rounds, three sites
   fate-rdma eval fate --job train --quick  # the same with real GPT-2 LoRA training: compute vs comm per round
+  fate-rdma eval faults --quick          # drops, resets, a stopped receiver, loss bursts: resumed, delivered once
   fate-rdma eval cost --quick            # the paper's Table 4 on loopback: time, extra memory, CPU s per side
 
-Exit codes: 0 ok; 1 a transfer failed, was corrupted or (stress) anything was lost; 2 bad usage;
+Exit codes: 0 ok; 1 a transfer failed, was corrupted or (stress, faults) anything was lost or came twice; 2 bad usage;
 3 this host cannot build a testbed.
 """
 from __future__ import annotations
@@ -106,6 +107,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--out", default="results/eval", help="results root; each run makes a time-stamped folder")
     e.add_argument("--prefix", default="freval", help="namespace prefix of the testbed this run builds")
     e.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each method's job (every party)")
+    x = sub.add_parser("faults", help="links that drop, reset and lose, a receiver stopped: resumed, delivered once",
+                       formatter_class=fmt, description=_doc("faults"))
+    x.add_argument("--quick", action="store_true", help="200 Mbit/s x 10 ms, 20 transfers up to 16 MiB, drops 2 and "
+                                                       "5 s, a 5 s pause")
+    x.add_argument("--count", type=int, default=None, help="transfers per condition (default 100; quick 20)")
+    x.add_argument("--max-bytes", type=int, default=None, help="largest payload (default 256 MiB; quick 16 MiB)")
+    x.add_argument("--drops", default=None, metavar="S,...", help="blackholes, seconds each (default 2,10,30)")
+    x.add_argument("--reset-s", type=float, default=None, help="seconds of TCP resets (default 1; 0 = none)")
+    x.add_argument("--pause-s", type=float, default=None, help="seconds the receiver is stopped (default 20; 0 = none)")
+    x.add_argument("--loss-pct", type=float, default=None, help="loss of the three 2 s bursts (default 5; 0 = none)")
+    x.add_argument("--rate-mbit", type=float, default=None, help="the link's rate (default 1000; quick 200)")
+    x.add_argument("--rtt-ms", type=float, default=None, help="the link's RTT (default 10)")
+    x.add_argument("--chunk-bytes", type=int, default=None, help="the channel's chunk (default 256 KiB)")
+    x.add_argument("--out", default="results/eval", help="results root; each run makes a time-stamped folder")
+    x.add_argument("--prefix", default="freval", help="namespace prefix of the testbed this run builds")
+    x.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of each condition")
     c = sub.add_parser("cost", help="the paper's Table 4 on loopback: time, extra memory, CPU seconds each side",
                        formatter_class=fmt, description=_doc("cost"))
     c.add_argument("--quick", action="store_true", help="64 MiB, 1 rep, loopback TCP path only")
@@ -167,6 +184,8 @@ def _plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
         return _fairness_plan(args)
     if act == "fate":
         return _fate_plan(args)
+    if act == "faults":
+        return _faults_plan(args)
     return _cost_plan(args)
 
 
@@ -232,6 +251,16 @@ def _fate_plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]
                       methods=_csv(args.methods) if args.methods else None, job=args.job, model=args.model,
                       steps_per_round=args.steps_per_round, device=args.device)
     return lambda **kw: run_fate(plan, **kw), plan, True
+
+
+def _faults_plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
+    from fate_rdma_lab.eval.faults import FULL, QUICK, run_faults
+
+    base = QUICK if args.quick else FULL
+    plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, chunk_bytes=args.chunk_bytes, count=args.count,
+                      max_bytes=args.max_bytes, drops=tuple(float(x) for x in _csv(args.drops)) if args.drops else None,
+                      reset_s=args.reset_s, pause_s=args.pause_s, loss_pct=args.loss_pct)
+    return lambda **kw: run_faults(plan, **kw), plan, True
 
 
 def _cost_plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool]:
