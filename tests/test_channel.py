@@ -577,11 +577,11 @@ def test_a_dial_that_finishes_after_the_peers_dial_was_accepted_keeps_both(monke
     """The other ordering of a simultaneous dial: while A's own dial to B authenticates, A accepts B's
     dial. A keeps the accepted connection as the first and its own as the spare (none untracked, none
     closed), and when the first ends the spare takes over without a new dial."""
-    from fate_rdma.channel import endpoint as endpoint_mod
+    from fate_rdma.channel import dialer as dialer_mod
 
     cfg = cfg_for("fedrdma-e", "soft-tcp", slot_bytes=1 << 20)
     a, b = Endpoint(cfg), Endpoint(cfg)
-    real = endpoint_mod.authenticate
+    real = dialer_mod.authenticate
     try:
         def dial_after_peer(boot, name, secret, dialer, **kw):
             if dialer and name == a.name:  # B's dial to A completes in the middle of A's dial to B
@@ -589,9 +589,9 @@ def test_a_dial_that_finishes_after_the_peers_dial_was_accepted_keeps_both(monke
                 wait_for(lambda: a._conns.get(b.address) is not None, 10, "A to accept B's dial")
             return real(boot, name, secret, dialer=dialer, **kw)
 
-        monkeypatch.setattr(endpoint_mod, "authenticate", dial_after_peer)
+        monkeypatch.setattr(dialer_mod, "authenticate", dial_after_peer)
         got = a.connect(b.address)
-        monkeypatch.setattr(endpoint_mod, "authenticate", real)
+        monkeypatch.setattr(dialer_mod, "authenticate", real)
         accepted, spare = a._conns[b.address], a._extra.get(b.address)
         assert got is accepted and spare is not None and spare is not accepted
         assert accepted.dead is None and spare.dead is None

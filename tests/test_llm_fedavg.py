@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -113,6 +115,71 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
     assert not any(listening(p) for p in ports)
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def _strike(ports, drop_s: float, done: threading.Event, report: dict) -> None:
+    """Once a channel connection of the job is up: break every connection of its endpoints (`ss -K`) and drop
+    everything to and from their ports on loopback for `drop_s` (nftables), as a link between sites that goes
+    down for that long. `report`: what it did."""
+    match = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
+    while not done.is_set():
+        up = subprocess.run(["ss", "-Htn", "state", "established", f"( {match} )"], capture_output=True, text=True)
+        if up.stdout.strip():
+            break
+        time.sleep(0.05)
+    else:
+        return
+    ports_set = ", ".join(map(str, ports))
+    script = ("table inet frjobdrop {\n  chain input {\n    type filter hook input priority filter; policy accept;\n"
+              f"    tcp dport {{ {ports_set} }} drop\n    tcp sport {{ {ports_set} }} drop\n  }}\n}}\n")
+    subprocess.run(["nft", "-f", "-"], input=script, text=True, check=True, capture_output=True)
+    try:
+        killed = subprocess.run(["ss", "-HKtn", f"( {match} )"], capture_output=True, text=True).stdout
+        report["killed"] = len(killed.splitlines())
+        report["at"] = time.monotonic()
+        time.sleep(drop_s)
+    finally:
+        subprocess.run(["nft", "delete", "table", "inet", "frjobdrop"], capture_output=True)
+
+
+@pytest.mark.timeout(600)
+def test_a_job_whose_link_drops_for_10_s_mid_round_ends_with_the_same_weights(tmp_path):
+    """The tiny GPT-2 full fine-tune, three parties over the channel: once the first transfer is up, every
+    connection of the job breaks and the endpoints' ports are dropped for 10 s. The transfers under way are
+    resumed, the sends meanwhile wait for the link, and the job ends with the weights of an undisturbed run."""
+    import shutil
+
+    from fate_rdma.federation.hook import pth_path
+
+    if not os.path.exists(pth_path()):
+        pytest.skip("the start-up hook is not installed (make test runs `fate-rdma hook install`)")
+    if os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("ss"):
+        pytest.skip("needs root, nft and ss (make test installs them: wan-deps)")
+    ports = free_ports(3)
+    conf = tmp_path / "fate_rdma.yaml"
+    conf.write_text(json.dumps({"fate_rdma": {
+        "enabled": True, "mode": "fedrdma-e", "provider": "soft", "slot_bytes": 8 << 20, "chunk_bytes": 256 << 10,
+        "threshold_bytes": 16 << 10, "connect_timeout_s": 3, "pull_timeout_s": 60, "get_timeout_s": 120,
+        "resume_window_s": 60,
+        "endpoints": {f"{r}:{pid}": f"127.0.0.1:{port}" for (r, pid), port in
+                      zip((("guest", 9999), ("host", 10000), ("arbiter", 10000)), ports)}}}))
+    (plain,) = run_jobs(tmp_path, [(tmp_path / "plain", job_argv(tmp_path / "plain", "gpt2_full_fedavg", []))])
+    done, report = threading.Event(), {}
+    striker = threading.Thread(target=_strike, args=(ports, 10.0, done, report), daemon=True)
+    striker.start()
+    try:
+        started = time.monotonic()
+        (cut,) = run_jobs(tmp_path, [(tmp_path / "cut", job_argv(tmp_path / "cut", "gpt2_full_fedavg", [], conf))])
+    finally:
+        done.set()
+        striker.join(30)
+    assert report.get("killed"), "the job's channel connections were never up to be broken"
+    assert time.monotonic() - started > 10, "the job ended before the link came back"
+    for role in ("guest", "host"):
+        assert plain[role]["sha256"] == cut[role]["sha256"], f"{role}: weights differ after the link dropped"
+        assert cut[role]["rdma"]["rdma_transfers"] == 2 and cut[role]["rdma"]["fate_fallbacks"] == 0
+    assert cut["arbiter"]["rdma"]["rdma_transfers"] == 4
+    assert not any(listening(p) for p in ports)
 
 
 def test_demo_lora_job_small():

@@ -155,6 +155,28 @@ def test_a_peer_that_restarts_starts_over_and_sends_meanwhile_wait():
             no_more(rx2)
 
 
+def test_a_send_after_an_idle_connection_broke_waits_for_the_peer():
+    """The connection broke while idle and the peer is not back yet: a send does not fail at its dial but
+    waits for the peer within the window, and goes once it is back."""
+    c = cfg("fedrdma", connect_timeout_s=1)
+    rx = Endpoint(c)
+    host, port = rx.address.rsplit(":", 1)
+    with Endpoint(c) as tx:
+        tx.send(rx.address, b"first").result(10)
+        rx.recv(10).release()
+        rx.close()
+        wait_for(lambda: rx.address in tx.resumer._broken, 10, "the sender noticing the break")
+        fut = tx.send(rx.address, b"second")  # (its dial fails within connect_timeout_s: it waits)
+        assert not fut.done()
+        with Endpoint(c, host=host, port=int(port)) as rx2:
+            fut.result(30)
+            assert bytes(rx2.recv(10).view) == b"second"
+            no_more(rx2)
+    c = cfg("fedrdma", connect_timeout_s=1)  # a peer never seen fails at its dial, as before
+    with Endpoint(c) as tx, pytest.raises(E.PeerUnreachable, match="cannot connect"):
+        tx.send("127.0.0.1:1", b"x")
+
+
 def test_a_peer_that_does_not_come_back_fails_the_transfer_naming_the_window_and_nothing_stays_held():
     c = cfg("fedrdma", resume_window_s=1)
     rx = Endpoint(c)

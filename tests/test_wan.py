@@ -283,6 +283,25 @@ def test_eval_stress_fairness_quick(can_build: None, prefix: str, tmp_path: Path
     assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
 
 
+@pytest.mark.timeout(240)
+def test_eval_faults_quick(can_build: None, prefix: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """faults, tiny: a blackhole, resets, the receiver stopped and loss bursts, each after a baseline; every
+    transfer delivered once, verified, nothing held or left (the resumes themselves: test_resume_wan.py)."""
+    rc = cli_main(["eval", "faults", "--quick", "--count", "6", "--max-bytes", str(1 << 20), "--drops", "1",
+                   "--reset-s", "1", "--pause-s", "1", "--out", str(tmp_path / "faults"), "--prefix", prefix])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rows = _rows(tmp_path / "faults")
+    assert [r["condition"] for r in rows] == ["none (baseline)", "drop 1 s", "reset 1 s", "pause 1 s",
+                                              "loss 5 % bursts (3 x 2 s)"]
+    assert all(r["verified"] and r["delivered"] == 6 and not r["twice"] and not r["corrupted"] for r in rows), rows
+    assert all(r["baseline_s"] == rows[0]["elapsed_s"] for r in rows)
+    assert "Nothing lost, nothing delivered twice" in out.out
+    (run,) = list((tmp_path / "faults").iterdir())
+    _png(run / "faults.png")
+    assert wan.leftovers(prefix) == [] and _our_processes(prefix) == []
+
+
 @pytest.mark.timeout(120)
 def test_eval_cost_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Table 4 on loopback (no root): every method's time, memory and CPU, the paper's figures beside."""
@@ -309,6 +328,7 @@ def test_eval_usage_errors(capsys: pytest.CaptureFixture) -> None:
     assert cli_main(["eval", "link", "--qps", "0"]) == 2
     assert cli_main(["eval", "stress", "--losses", "100"]) == 2
     assert cli_main(["eval", "cost", "--paths", "rdma"]) == 2
+    assert cli_main(["eval", "faults", "--count", "1"]) == 2
     with pytest.raises(SystemExit) as ex:
         cli_main(["eval", "link", "--help"])
     assert ex.value.code == 0

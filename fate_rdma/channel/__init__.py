@@ -2,6 +2,7 @@
 
 Where things are:
     endpoint.py    Endpoint: listens, dials, keeps one Connection per peer, the inbox of messages
+    dialer.py      a dial: the bootstrap connection (retried while the peer is at its cap), TLS, the proof
     connection.py  Connection: set-up (hello, memory, QPs, the modes' parts), the user's side, teardown
     engine.py      Engine: the loop that runs both modes (requests, turns taken in the caller's or the
                    soft NIC's thread, deadlines, the end of a connection), their port

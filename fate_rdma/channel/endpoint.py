@@ -22,12 +22,13 @@ from ..errors import AuthenticationError, ConfigError, FateRdmaError, PeerUnreac
 from .auth import authenticate, load_secret, seal
 from .buffers import Budget, RecvBuffers
 from .connection import Connection, checked_metadata, pending
+from .dialer import dial
 from .engine import Engine
 from .layout import same_host_capable
 from .posting import send_sge_limit
 from .posture import posture
 from ..protocol.integrity import KEYED
-from .resume import Resumer
+from .resume import Pending, Resumer
 from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
 
@@ -56,14 +57,6 @@ def _hold_reporter(ref: "weakref.ReferenceType[Endpoint]") -> Callable[[float, f
     return report
 
 
-
-def _tries(tries: int, started: float) -> str:
-    """What a failed dial adds about its earlier attempts (each closed by the peer during the handshake)."""
-    if tries <= 1:
-        return ""
-    before = "the attempt" if tries == 2 else f"the {tries - 1} attempts"
-    return (f" (attempt {tries}, {time.monotonic() - started:.1f} s after the first; the peer closed {before} "
-            f"before it during the handshake)")
 
 class Endpoint:
     """A fate-rdma channel endpoint at `host:port` (port 0 picks one; see `.address`)."""
@@ -187,10 +180,19 @@ class Endpoint:
         return self._closed
 
     @property
+    def source_host(self) -> str:
+        """Where outgoing connections leave from, where it is one address (bootstrap.source_address)."""
+        return self._host
+
+    @property
     def _patience_s(self) -> float:
         """How long a handshake waits for a peer whose host took the connection but whose process does not
         answer (held): as long as a transfer waits for a held peer."""
         return max(self.config.connect_timeout_s, self.config.no_progress_timeout_s)
+
+    @property
+    def patience_s(self) -> float:
+        return self._patience_s
 
     @property
     def same_host_capable(self) -> bool:
@@ -273,57 +275,7 @@ class Endpoint:
                 conn = self._live(address)
                 if conn is not None:
                     return conn
-            host, _, port = address.rpartition(":")
-            started = time.monotonic()
-            retry = self.dial_retry(self.config.connect_timeout_s if timeout_s is None else timeout_s)
-            for _ in retry:
-                try:
-                    boot = ev.connect(host, int(port), timeout_s=max(0.1, retry.left_s()), source=self._host)
-                except (ev.EasyVerbsError, OSError, ValueError) as exc:
-                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
-                                          f"{_tries(retry.attempts, started)}") from exc
-                # the peer's kernel took the connection; its process may be held (a long native call keeping
-                # its GIL): while its host acknowledges what we send, wait for it as for a held peer in a transfer
-                boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
-                try:
-                    if self.tls is not None:  # TLS first; the peer's certificate must name the party at `address`
-                        boot = self.tls.dial(boot, address, self.name, max(0.1, retry.left_s()))
-                    who = authenticate(boot, self.name, self.secret, dialer=True, timeout_s=self.config.connect_timeout_s,
-                                       tls=self.tls is not None)
-                    if self.tls is not None:
-                        who = self.tls.bind(who, None)
-                    seal(boot, who, dialer=True)
-                except ev.BootstrapError as exc:
-                    boot.close()
-                    # closed before its first answer: the peer is at its cap of pending handshakes (strangers
-                    # hold them until their deadline); try again within connect_timeout_s
-                    if "closed" in str(exc) or "connection lost" in str(exc):
-                        retry.failed(exc)
-                        metrics.connect_retried()
-                        continue
-                    raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
-                                          f"{_tries(retry.attempts, started)}") from exc
-                except BaseException as exc:
-                    boot.close()
-                    if isinstance(exc, AuthenticationError):
-                        metrics.auth_failed("dialer")
-                    raise
-                break
-            else:
-                raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {retry.last_error}"
-                                      f"{_tries(retry.attempts, started)}") from retry.last_error
-            try:
-                if who.authenticated and who.name != address:
-                    metrics.auth_failed("dialer")
-                    raise AuthenticationError(f"the endpoint at {address} proved it is {who.name!r}, not {address!r}")
-                conn = Connection(self, boot, dialer=True, identity=who, address=address)
-                metrics.dialed(time.monotonic() - started)
-            except (ev.EasyVerbsError, OSError) as exc:
-                boot.close()
-                raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
-            except BaseException:
-                boot.close()
-                raise
+            conn, who = dial(self, address, self.config.connect_timeout_s if timeout_s is None else timeout_s)
             with self._lock:
                 live, spare = self._live(address), None
                 if live is not None:  # our accept of the peer's own dial finished first: that one stays the
@@ -417,12 +369,22 @@ class Endpoint:
         try:
             checked_metadata(metadata)  # (before a dial: a send that cannot go fails at once)
             resumer = self._resumer
-            waiting = None if resumer is None else resumer.waiting(address, lambda: pending(
-                buffers, metadata, fill, self.next_transfer_id(), lambda f: None))
-            if waiting is not None:  # (its connection broke: it goes behind the transfers that wait for it)
+
+            def make() -> Pending:
+                return pending(buffers, metadata, fill, self.next_transfer_id(), lambda f: None)
+
+            # its connection broke: it goes behind the transfers that wait for it
+            waiting = None if resumer is None else resumer.waiting(address, make)
+            if waiting is None:
+                try:
+                    conn = self.connect(address)
+                except PeerUnreachable as exc:  # (it broke a moment ago, idle: wait for it, within the window)
+                    waiting = None if resumer is None else resumer.after_failed_dial(address, make, exc)
+                    if waiting is None:
+                        raise
+            if waiting is not None:
                 trace.event("c_send", at=began, tid=waiting.transfer_id, bytes=waiting.total_bytes, peer=address)
                 return waiting
-            conn = self.connect(address)
             fut = conn.send(buffers, metadata, fill)
         except FateRdmaError as exc:
             metrics.send_failed(exc)

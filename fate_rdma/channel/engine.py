@@ -85,7 +85,8 @@ class Engine(Inbound):
         self.resume: Optional["Resumer"] = None
         self.address = self.peer
         self._resumable = False  # the connection ended for a reason of its path: its transfers wait for the next
-        self._asked: Dict[int, Tuple[int, "concurrent.futures.Future[Tuple[ResumeState, int]]"]] = {}
+        #: RESUMEs sent, per transfer, in order (an ask that timed out is answered before the next: frames keep order)
+        self._asked: Dict[int, Deque[Tuple[int, "concurrent.futures.Future[Tuple[ResumeState, int]]"]]] = {}
         self.thread = threading.Thread(target=self._run, name=f"fate-rdma-conn-{self.peer}", daemon=True)
 
     def start(self, modes: Modes) -> None:
@@ -249,7 +250,7 @@ class Engine(Inbound):
             elif kind is Request.ASK and isinstance(arg, tuple):
                 tid, total, fut = arg
                 assert isinstance(fut, concurrent.futures.Future)
-                self._asked[int(tid)] = (int(total), fut)
+                self._asked.setdefault(int(tid), collections.deque()).append((int(total), fut))
                 self.send_ctrl(P.Ctrl(CtrlKind.RESUME, int(tid), int(total)))
             elif kind is Request.ANSWER and isinstance(arg, tuple):
                 tid, state, held = arg
@@ -431,6 +432,8 @@ class Engine(Inbound):
         self._resumable = not quiet and isinstance(self.dead, (PeerUnreachable, ev.EasyVerbsError)) \
             and self.resume is not None
         self._dead_err = err
+        if self._resumable and self.resume is not None:
+            self.resume.broke(self.address)
         placed = list(modes.slot_sender.placed.values()) if modes.slot_sender is not None else []
         # (in the order they were sent: a transfer whose verdict is due, the active one, then the queue)
         lost = {id(o): o for o in placed + ([self._active] if self._active else []) + list(self._outq)}
@@ -444,8 +447,9 @@ class Engine(Inbound):
         for o in lost.values():
             self._lose(o, err)
         self._fail_requests(err)
-        for _total, fut in self._asked.values():
-            fut.set_exception(err)
+        for asks in self._asked.values():
+            for _total, fut in asks:
+                fut.set_exception(err)
         self._asked.clear()
         if modes.staged_receiver is not None:
             modes.staged_receiver.clear(self.resume.keep if self._resumable and self.resume is not None else None)

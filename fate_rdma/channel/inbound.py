@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple, cast
 
 import easypyverbs as ev
 from easypyverbs.stalls import clock
@@ -63,7 +63,7 @@ class Inbound:
     modes: Modes
     resume: Optional["Resumer"]
     _active: Optional[Outgoing]
-    _asked: Dict[int, Tuple[int, "concurrent.futures.Future[Tuple[ResumeState, int]]"]]
+    _asked: Dict[int, Deque[Tuple[int, "concurrent.futures.Future[Tuple[ResumeState, int]]"]]]
 
     def fail(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None:
         raise NotImplementedError
@@ -173,7 +173,10 @@ class Inbound:
 
     def _on_resumed(self, c: P.Ctrl) -> None:
         """The peer's answer to a RESUME of ours, checked: a state it may be in, bytes it may hold."""
-        asked = self._asked.pop(c.transfer_id, None)
+        asks = self._asked.get(c.transfer_id)
+        asked = asks.popleft() if asks else None
+        if asks is not None and not asks:
+            del self._asked[c.transfer_id]
         if asked is None:
             raise RemoteProtocolError(f"{self.peer} sent RESUMED for transfer {c.transfer_id}, which this side "
                                       f"did not ask about")

@@ -157,28 +157,53 @@ class Resumer:
         self._outages: Dict[str, _Outage] = {}
         self._held: Dict[Tuple[str, int], Held] = {}
         self._delivered: Dict[Tuple[str, int], float] = {}
+        #: addresses whose connection broke (not closed), and when: a send that cannot dial one of them within
+        #: the window waits for it as the transfers under way did
+        self._broken: Dict[str, float] = {}
         self._closed = False
         #: what tests and `doctor` read: resumes done, bytes sent again, transfers that could not be resumed
         self.resumed, self.resent_bytes, self.failed = 0, 0, 0
 
     # -- sender ---------------------------------------------------------------------------------
+    def broke(self, address: str) -> None:
+        """The connection to `address` broke (the engine's thread), whether or not a transfer was under way."""
+        with self._lock:
+            self._broken[address] = time.monotonic()
+
     def orphan(self, address: str, p: Pending, cause: BaseException) -> bool:
         """The connection to `address` broke under `p` (the engine's thread): keep it; False if the endpoint
         is closing (the caller fails it)."""
         with self._lock:
             if self._closed:
                 return False
-            outage = self._outages.get(address)
-            if outage is None:
-                now = time.monotonic()
-                outage = self._outages[address] = _Outage(str(cause), now, now + self.window_s)
-                threading.Thread(target=self._redial, args=(address, outage), name=f"fate-rdma-resume-{address}",
-                                 daemon=True).start()
-                log.warning("fate-rdma endpoint %s: connection to %s lost mid-transfer (%s); dialing it again for up "
-                            "to resume_window_s (%g s)", self.endpoint.name, address, cause, self.window_s)
-            outage.pending.append(p)
+            self._outage(address, str(cause), time.monotonic(), "mid-transfer").pending.append(p)
             p.fut.rebind(self._cancel)
         return True
+
+    def _outage(self, address: str, cause: str, since: float, how: str) -> _Outage:
+        """The outage of `address`, begun now if there is none (with the lock held): a thread dials it again."""
+        outage = self._outages.get(address)
+        if outage is None:
+            outage = self._outages[address] = _Outage(cause, since, since + self.window_s)
+            threading.Thread(target=self._redial, args=(address, outage), name=f"fate-rdma-resume-{address}",
+                             daemon=True).start()
+            log.warning("fate-rdma endpoint %s: connection to %s lost %s (%s); dialing it again for up to "
+                        "resume_window_s (%g s)", self.endpoint.name, address, how, cause, self.window_s)
+        return outage
+
+    def after_failed_dial(self, address: str, make: Callable[[], Pending], cause: BaseException
+                          ) -> Optional[TransferFuture]:
+        """A send to `address` could not dial it: if its connection broke within the window (idle then, or the
+        peer not back yet), the send waits for it like the transfers that were under way (its future); else
+        None (the send fails)."""
+        with self._lock:
+            broke = self._broken.get(address)
+            if self._closed or broke is None or time.monotonic() - broke > self.window_s:
+                return None
+            p = make()
+            p.fut.rebind(self._cancel)
+            self._outage(address, str(cause), broke, "and not back yet").pending.append(p)
+            return p.fut
 
     def waiting(self, address: str, make: Callable[[], Pending]) -> Optional[TransferFuture]:
         """A send to `address` while its connection is being made again: queued behind the transfers that wait
@@ -237,6 +262,7 @@ class Resumer:
             with self._lock:
                 if not outage.pending:
                     self._outages.pop(address, None)
+                    self._broken.pop(address, None)
                     break
                 p = outage.pending[0]
             state, start = ResumeState.UNKNOWN, 0
@@ -333,7 +359,7 @@ class Resumer:
             for e in others:
                 e.break_off(PeerUnreachable(f"{peer} resumed its transfers on a new connection"))
             for e in others:
-                e.thread.join(timeout=max(5.0, self.endpoint.config.connect_timeout_s))
+                e.thread.join(timeout=self.endpoint.config.connect_timeout_s / 2)  # (the asker waits connect_timeout_s)
             engine.answer_resume(tid, *self.query(peer, tid, total))
 
         threading.Thread(target=after_break, name=f"fate-rdma-resume-answer-{peer}", daemon=True).start()
@@ -402,6 +428,8 @@ class Resumer:
         with self._lock:
             for key in [k for k, t in self._delivered.items() if t < now]:
                 del self._delivered[key]
+            for address in [a for a, t in self._broken.items() if now - t > self.window_s]:
+                del self._broken[address]
             gone = [k for k, h in self._held.items() if h.deadline < now]
             for key in gone:
                 log.warning("fate-rdma endpoint %s: transfer %d from %s not resumed within resume_window_s (%g s): "
