@@ -45,7 +45,7 @@ def failure(p) -> str:
     return f"first error:\n{head}\n...\nlast output:\n{p.stdout[-2500:]}{p.stderr[-2500:]}"
 
 
-def run_jobs(tmp_path, jobs):
+def run_jobs(tmp_path, jobs, outputs=None):
     """Run each (out folder, argv) job; returns the parties' results per job. On the host each job is a
     process whose party processes FATE's launcher spawns, as users run it. Inside the rxe VM (TCG) every
     spawned party would spend 3-4 minutes importing torch and FATE-LLM: there the jobs run one after
@@ -62,6 +62,8 @@ def run_jobs(tmp_path, jobs):
         for out, argv in jobs:
             p = subprocess.run([sys.executable] + argv, capture_output=True, text=True, timeout=300, cwd=str(out.parent))
             assert p.returncode == 0, failure(p)
+            if outputs is not None:
+                outputs.append(p.stdout + p.stderr)
     return [results(out) for out, _ in jobs]
 
 
@@ -118,15 +120,17 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
 
 
 def _strike(ports, drop_s: float, done: threading.Event, report: dict) -> None:
-    """Once a channel connection of the job is up: break every connection of its endpoints (`ss -K`) and drop
-    everything to and from their ports on loopback for `drop_s` (nftables), as a link between sites that goes
-    down for that long. `report`: what it did."""
+    """Once both clients' channel connections to the arbiter are up (after their first upload): break every
+    connection of the job's endpoints (`ss -K`) and drop everything to and from their ports on loopback for
+    `drop_s` (nftables), as a link between sites that goes down for that long. `report`: what it did."""
     match = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
+    accepted = " or ".join(f"sport = :{p}" for p in ports)  # (the accepting end of each connection)
     while not done.is_set():
-        up = subprocess.run(["ss", "-Htn", "state", "established", f"( {match} )"], capture_output=True, text=True)
-        if up.stdout.strip():
+        up = subprocess.run(["ss", "-Htn", "state", "established", f"( {accepted} )"], capture_output=True, text=True)
+        if len(up.stdout.splitlines()) >= 2:
+            time.sleep(0.2)  # (their set-up done: the arbiter takes the uploads, or sends the average)
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     else:
         return
     ports_set = ", ".join(map(str, ports))
@@ -169,12 +173,16 @@ def test_a_job_whose_link_drops_for_10_s_mid_round_ends_with_the_same_weights(tm
     striker.start()
     try:
         started = time.monotonic()
-        (cut,) = run_jobs(tmp_path, [(tmp_path / "cut", job_argv(tmp_path / "cut", "gpt2_full_fedavg", [], conf))])
+        outputs: list = []
+        (cut,) = run_jobs(tmp_path, [(tmp_path / "cut", job_argv(tmp_path / "cut", "gpt2_full_fedavg", [], conf))],
+                          outputs)
     finally:
         done.set()
         striker.join(30)
     assert report.get("killed"), "the job's channel connections were never up to be broken"
     assert time.monotonic() - started > 10, "the job ended before the link came back"
+    log = outputs[0]
+    assert "dialing it again" in log, log[-4000:]  # (the job waited for its link: it did not merely miss the drop)
     for role in ("guest", "host"):
         assert plain[role]["sha256"] == cut[role]["sha256"], f"{role}: weights differ after the link dropped"
         assert cut[role]["rdma"]["rdma_transfers"] == 2 and cut[role]["rdma"]["fate_fallbacks"] == 0

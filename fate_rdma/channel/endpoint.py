@@ -394,6 +394,17 @@ class Endpoint:
         trace.event("c_send", at=began, tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
         return fut
 
+    def wait_for(self, address: str, buffers: Any, metadata: Optional[Dict[str, Any]], fill: Optional[Fill],
+                 cause: PeerUnreachable) -> Optional[TransferFuture]:
+        """A send to `address` whose dial failed with `cause` (a caller that dialed first): the send's future if
+        it waits for the peer (its connection broke within resume_window_s, or the dial broke after the proof),
+        else None: the send fails with `cause`."""
+        if self._resumer is None:
+            return None
+        checked_metadata(metadata)
+        return self._resumer.after_failed_dial(address, lambda: pending(
+            buffers, metadata, fill, self.next_transfer_id(), lambda f: None), cause)
+
     def on_message(self, take: Optional[Callable[[Message], bool]]) -> None:
         """Offer each complete message to `take(msg)` in the thread that completes it (the connection's, or the
         soft NIC's), before the inbox: True if it took the message, False to leave it to `recv`. It saves the

@@ -189,11 +189,14 @@ class RdmaFederation(Receiving):
         tracked = False
         try:
             addrs: Dict[Tuple[str, ...], Any] = {}
+            failed: Dict[Tuple[str, ...], PeerUnreachable] = {}
             for p in parties:
                 try:
                     addrs[tuple(p)] = self.cfg.address_of(tuple(p))
                     self.endpoint.connect(addrs[tuple(p)])
-                except (PeerUnreachable, ConfigError) as exc:
+                except PeerUnreachable as exc:  # (its connection broke a moment ago: the send may wait for it)
+                    failed[tuple(p)] = exc
+                except ConfigError as exc:
                     addrs[tuple(p)] = exc
             for p in parties:
                 key = uuid.uuid4().hex
@@ -202,8 +205,13 @@ class RdmaFederation(Receiving):
                 if self.announce:  # the descriptor's fields travel with the bytes
                     md.update(announce=True, length=len(v), crc32c=crc, frame=framed)
                 addr = addrs[tuple(p)]
+                fut: Any
                 try:
-                    fut = addr if isinstance(addr, BaseException) else self.endpoint.send(addr, held or bufs, md, fill)
+                    if tuple(p) in failed:
+                        fut = self.endpoint.wait_for(addr, held or bufs, md, fill, failed[tuple(p)]) or failed[tuple(p)]
+                    else:
+                        fut = addr if isinstance(addr, BaseException) else self.endpoint.send(addr, held or bufs, md,
+                                                                                              fill)
                 except (PeerUnreachable, ConfigError) as exc:
                     fut = exc
                 sends.append((tuple(p), key, fut))
