@@ -116,6 +116,55 @@ def test_a_qp_in_error_is_resumed_on_new_queue_pairs(provider, mode, monkeypatch
         assert new.remote[key].rkey != old.remote[key].rkey
 
 
+def test_a_transfer_cut_twice_is_put_together_from_three_connections():
+    """FedRDMA: cut once, resumed, and cut again while its rest arrives: what arrived of the rest goes behind
+    what was held, the second resume sends only what is still missing, and the transfer arrives once."""
+    c = cfg("fedrdma")
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        data = payload(SIZE, 11)
+        fut = tx.send(rx.address, data)
+        wait_for(lambda: fut.progress_bytes > SIZE // 4, 30, "a quarter of the transfer")
+        first = tx._conns[rx.address]
+        cut(tx, rx.address, "sender-bootstrap")
+        wait_for(lambda: rx.address in tx._conns and tx._conns[rx.address] is not first
+                 and fut.progress_bytes > SIZE * 5 // 8, 30, "the rest under way on a new connection")
+        cut(tx, rx.address, "data-socket")
+        r = fut.result(30)
+        assert r["resumes"] == 2 and r["resent_bytes"] <= 2 * (WINDOW + 1) * CHUNK, r
+        msg = rx.recv(10)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+        no_more(rx)
+        assert rx.resumer.held_bytes == 0
+
+
+def test_a_verdict_lost_with_its_connection_is_not_sent_again(monkeypatch):
+    """FedRDMA-E: the receiver delivers the transfer, and its connection breaks before the verdict (DONE) leaves:
+    the sender asks on the new connection, hears it was delivered, and sends nothing again."""
+    from fate_rdma.channel.engine import Engine
+
+    real = Engine.send_ctrl
+    cut_once = []
+
+    def lose_the_verdict(self, frame):
+        if frame.kind is CtrlKind.DONE and not cut_once:
+            cut_once.append(frame.transfer_id)
+            self.wire.rcs[0].qp.to_error("the test lost the verdict with the connection")
+            return
+        real(self, frame)
+
+    monkeypatch.setattr(Engine, "send_ctrl", lose_the_verdict)
+    c = cfg("fedrdma-e", soft_link=None)
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        data = payload(1 << 20, 12)
+        r = tx.send(rx.address, data).result(30)
+        assert cut_once and r["resumes"] == 1 and r["resent_bytes"] == 0, r
+        msg = rx.recv(10)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+        no_more(rx)
+
+
 def test_transfers_queued_behind_a_cut_one_wait_and_go_in_order():
     c = cfg("fedrdma")
     with Endpoint(c) as rx, Endpoint(c) as tx:
