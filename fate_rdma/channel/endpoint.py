@@ -383,8 +383,7 @@ class Endpoint:
                     if waiting is None:
                         raise
             if waiting is not None:
-                trace.event("c_send", at=began, tid=waiting.transfer_id, bytes=waiting.total_bytes, peer=address)
-                return waiting
+                return self._waits(waiting, address, began)
             fut = conn.send(buffers, metadata, fill)
         except FateRdmaError as exc:
             metrics.send_failed(exc)
@@ -401,9 +400,18 @@ class Endpoint:
         else None: the send fails with `cause`."""
         if self._resumer is None:
             return None
+        began = time.monotonic()
         checked_metadata(metadata)
-        return self._resumer.after_failed_dial(address, lambda: pending(
+        fut = self._resumer.after_failed_dial(address, lambda: pending(
             buffers, metadata, fill, self.next_transfer_id(), lambda f: None), cause)
+        return None if fut is None else self._waits(fut, address, began)
+
+    def _waits(self, fut: TransferFuture, address: str, began: float) -> TransferFuture:
+        """A send that waits for its peer's connection (resume.py): traced and counted as any send (its data
+        path is not known yet: "")."""
+        metrics.sending(fut, address, self.ctx.provider, "", self.config.checksum, self.config.log_format)
+        trace.event("c_send", at=began, tid=fut.transfer_id, bytes=fut.total_bytes, peer=address)
+        return fut
 
     def on_message(self, take: Optional[Callable[[Message], bool]]) -> None:
         """Offer each complete message to `take(msg)` in the thread that completes it (the connection's, or the
