@@ -48,11 +48,6 @@ class PeerUnreachable(TransferError):
     """The peer cannot be reached or its connection died."""
 
 
-class DialBroken(PeerUnreachable):
-    """A dial reached the peer but its connection broke (reset, aborted: not closed by the peer) before it was set
-    up: the path, not the address, failed (a send waits for the peer within resume_window_s)."""
-
-
 class AuthenticationError(RemoteProtocolError):
     """The peer did not prove that it holds the federation's secret, or proved another identity than
     the one it must have."""

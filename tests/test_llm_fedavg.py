@@ -125,12 +125,15 @@ def _strike(ports, drop_s: float, done: threading.Event, report: dict) -> None:
     `drop_s` (nftables), as a link between sites that goes down for that long. `report`: what it did."""
     match = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
     accepted = " or ".join(f"sport = :{p}" for p in ports)  # (the accepting end of each connection)
-    while not done.is_set():
-        up = subprocess.run(["ss", "-Htn", "state", "established", f"( {accepted} )"], capture_output=True, text=True)
-        if len(up.stdout.splitlines()) >= 2:
-            time.sleep(0.2)  # (their set-up done: the arbiter takes the uploads, or sends the average)
+    seen, since = "", time.monotonic()
+    while not done.is_set():  # (a dial under way is not struck: a first dial that fails is not a dropped link)
+        up = subprocess.run(["ss", "-Htn", "state", "established", f"( {accepted} )"], capture_output=True,
+                            text=True).stdout
+        if up != seen:
+            seen, since = up, time.monotonic()
+        elif len(up.splitlines()) >= 2 and time.monotonic() - since > 0.15:
             break
-        time.sleep(0.02)
+        time.sleep(0.01)
     else:
         return
     ports_set = ", ".join(map(str, ports))

@@ -2,7 +2,6 @@
 of pending ones), TLS, the proof, the seal, then the connection's set-up. The endpoint keeps what it dialed."""
 from __future__ import annotations
 
-import errno
 import time
 from typing import Callable, Optional, Protocol, Tuple
 
@@ -10,14 +9,10 @@ import easypyverbs as ev
 from easypyverbs.retry import Retry
 
 from .. import metrics
-from ..errors import AuthenticationError, DialBroken, PeerUnreachable
+from ..errors import AuthenticationError, PeerUnreachable
 from .auth import Identity, authenticate, seal
 from .connection import Connection, Host
 from .tls import ChannelTLS
-
-
-#: what a socket says when its connection broke on the way (not closed by the peer)
-_LOST = frozenset({errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT})
 
 
 class Dialing(Host, Protocol):
@@ -54,13 +49,12 @@ def dial(ep: Dialing, address: str, timeout_s: float) -> Tuple[Connection, Ident
     host, _, port = address.rpartition(":")
     started = time.monotonic()
     retry = ep.dial_retry(timeout_s)
-    broken = False  # an attempt reached the peer and its connection broke (not closed by the peer): the path
     for _ in retry:
         try:
             boot = ev.connect(host, int(port), timeout_s=max(0.1, retry.left_s()), source=ep.source_host)
         except (ev.EasyVerbsError, OSError, ValueError) as exc:
-            raise (DialBroken if broken else PeerUnreachable)(
-                f"cannot connect to fate-rdma endpoint {address}: {exc}{_tries(retry.attempts, started)}") from exc
+            raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}"
+                                  f"{_tries(retry.attempts, started)}") from exc
         # the peer's kernel took the connection; its process may be held (a long native call keeping
         # its GIL): while its host acknowledges what we send, wait for it as for a held peer in a transfer
         boot.wait_patiently(ep.patience_s, "no_progress_timeout_s")
@@ -76,9 +70,7 @@ def dial(ep: Dialing, address: str, timeout_s: float) -> Tuple[Connection, Ident
             boot.close()
             # closed before its first answer: the peer is at its cap of pending handshakes (strangers
             # hold them until their deadline); try again within connect_timeout_s
-            lost = "connection lost" in str(exc) or getattr(exc, "errno", None) in _LOST
-            if "closed" in str(exc) or lost:
-                broken = broken or lost
+            if "closed" in str(exc) or "connection lost" in str(exc):
                 retry.failed(exc)
                 metrics.connect_retried()
                 continue
@@ -91,18 +83,17 @@ def dial(ep: Dialing, address: str, timeout_s: float) -> Tuple[Connection, Ident
             raise
         break
     else:
-        raise (DialBroken if broken else PeerUnreachable)(
-            f"cannot connect to fate-rdma endpoint {address}: {retry.last_error}{_tries(retry.attempts, started)}"
-        ) from retry.last_error
+        raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {retry.last_error}"
+                              f"{_tries(retry.attempts, started)}") from retry.last_error
     try:
         if who.authenticated and who.name != address:
             metrics.auth_failed("dialer")
             raise AuthenticationError(f"the endpoint at {address} proved it is {who.name!r}, not {address!r}")
         conn = Connection(ep, boot, dialer=True, identity=who, address=address)
         metrics.dialed(time.monotonic() - started)
-    except (ev.EasyVerbsError, OSError) as exc:  # (the set-up broke after the proof: the path, as in a transfer)
+    except (ev.EasyVerbsError, OSError) as exc:
         boot.close()
-        raise DialBroken(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
+        raise PeerUnreachable(f"cannot connect to fate-rdma endpoint {address}: {exc}") from exc
     except BaseException:
         boot.close()
         raise

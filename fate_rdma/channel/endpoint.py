@@ -396,8 +396,8 @@ class Endpoint:
     def wait_for(self, address: str, buffers: Any, metadata: Optional[Dict[str, Any]], fill: Optional[Fill],
                  cause: PeerUnreachable) -> Optional[TransferFuture]:
         """A send to `address` whose dial failed with `cause` (a caller that dialed first): the send's future if
-        it waits for the peer (its connection broke within resume_window_s, or the dial broke after the proof),
-        else None: the send fails with `cause`."""
+        it waits for the peer (its connection broke within resume_window_s), else None: the send fails with
+        `cause`."""
         if self._resumer is None:
             return None
         began = time.monotonic()

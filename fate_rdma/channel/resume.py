@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from .. import metrics
 from ..config import ChannelConfig
-from ..errors import AuthenticationError, ConfigError, DialBroken, FateRdmaError, PeerUnreachable, TransferCancelled
+from ..errors import AuthenticationError, ConfigError, FateRdmaError, PeerUnreachable, TransferCancelled
 from ..protocol.frames import ResumeState
 from .buffers import Budget, copy_into
 from .transfer import Buffers, Fill, Message, Payload, TransferFuture
@@ -194,10 +194,10 @@ class Resumer:
     def after_failed_dial(self, address: str, make: Callable[[], Pending], cause: BaseException
                           ) -> Optional[TransferFuture]:
         """A send to `address` could not dial it: if its connection broke within the window (idle then, or the
-        peer not back yet), or this dial reached the peer and broke during the set-up (DialBroken), the send
-        waits for it like the transfers that were under way (its future); else None (the send fails)."""
+        peer not back yet), the send waits for it like the transfers that were under way (its future); else None
+        (the send fails: a dial that never got through, or that the peer refused, is not a dropped link)."""
         with self._lock:
-            broke = time.monotonic() if isinstance(cause, DialBroken) else self._broken.get(address)
+            broke = self._broken.get(address)
             if self._closed or broke is None or time.monotonic() - broke > self.window_s:
                 return None
             p = make()
