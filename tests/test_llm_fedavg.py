@@ -120,9 +120,10 @@ def test_fedavg_weights_bitwise_identical_with_and_without_fate_rdma(tmp_path, e
 
 
 def _strike(ports, drop_s: float, done: threading.Event, report: dict) -> None:
-    """Once both clients' channel connections to the arbiter are up (after their first upload): break every
-    connection of the job's endpoints (`ss -K`) and drop everything to and from their ports on loopback for
-    `drop_s` (nftables), as a link between sites that goes down for that long. `report`: what it did."""
+    """Once the job's channel connections are up (each client's to the arbiter and the arbiter's to each client:
+    four) and no dial is under way: break every connection of the job's endpoints (`ss -K`) and drop everything
+    to and from their ports on loopback for `drop_s` (nftables), as a link between sites that goes down for that
+    long. `report`: what it did."""
     match = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
     accepted = " or ".join(f"sport = :{p}" for p in ports)  # (the accepting end of each connection)
     seen, since = "", time.monotonic()
@@ -131,7 +132,7 @@ def _strike(ports, drop_s: float, done: threading.Event, report: dict) -> None:
                             text=True).stdout
         if up != seen:
             seen, since = up, time.monotonic()
-        elif len(up.splitlines()) >= 2 and time.monotonic() - since > 0.15:
+        elif len(up.splitlines()) >= 4 and time.monotonic() - since > 0.15:
             break
         time.sleep(0.01)
     else:
@@ -170,14 +171,15 @@ def test_a_job_whose_link_drops_for_10_s_mid_round_ends_with_the_same_weights(tm
         "resume_window_s": 60,
         "endpoints": {f"{r}:{pid}": f"127.0.0.1:{port}" for (r, pid), port in
                       zip((("guest", 9999), ("host", 10000), ("arbiter", 10000)), ports)}}}))
-    (plain,) = run_jobs(tmp_path, [(tmp_path / "plain", job_argv(tmp_path / "plain", "gpt2_full_fedavg", []))])
+    rounds = ["--rounds", "4"]  # (rounds left after the strike)
+    (plain,) = run_jobs(tmp_path, [(tmp_path / "plain", job_argv(tmp_path / "plain", "gpt2_full_fedavg", rounds))])
     done, report = threading.Event(), {}
     striker = threading.Thread(target=_strike, args=(ports, 10.0, done, report), daemon=True)
     striker.start()
     try:
         started = time.monotonic()
         outputs: list = []
-        (cut,) = run_jobs(tmp_path, [(tmp_path / "cut", job_argv(tmp_path / "cut", "gpt2_full_fedavg", [], conf))],
+        (cut,) = run_jobs(tmp_path, [(tmp_path / "cut", job_argv(tmp_path / "cut", "gpt2_full_fedavg", rounds, conf))],
                           outputs)
     finally:
         done.set()
@@ -188,8 +190,8 @@ def test_a_job_whose_link_drops_for_10_s_mid_round_ends_with_the_same_weights(tm
     assert "dialing it again" in log, log[-4000:]  # (the job waited for its link: it did not merely miss the drop)
     for role in ("guest", "host"):
         assert plain[role]["sha256"] == cut[role]["sha256"], f"{role}: weights differ after the link dropped"
-        assert cut[role]["rdma"]["rdma_transfers"] == 2 and cut[role]["rdma"]["fate_fallbacks"] == 0
-    assert cut["arbiter"]["rdma"]["rdma_transfers"] == 4
+        assert cut[role]["rdma"]["rdma_transfers"] == 4 and cut[role]["rdma"]["fate_fallbacks"] == 0
+    assert cut["arbiter"]["rdma"]["rdma_transfers"] == 8
     assert not any(listening(p) for p in ports)
 
 
