@@ -98,7 +98,8 @@ def test_fedrdma_e_writes_tcp_chunks_over_the_soft_providers_tcp(mode, link, chu
 
 
 def test_peer_killed_mid_transfer_on_the_same_host_path():
-    c = cfg("fedrdma", chunk_bytes=64 << 10, window=1)  # ~4000 round trips: long enough to interrupt
+    # ~4000 round trips: long enough to interrupt; the dead peer is waited for resume_window_s (2 s), then named
+    c = cfg("fedrdma", chunk_bytes=64 << 10, window=1, resume_window_s=2)
     p, addr = peer(c)
     try:
         ep = Endpoint(c)
@@ -108,7 +109,7 @@ def test_peer_killed_mid_transfer_on_the_same_host_path():
             time.sleep(0.005)
         assert ep.connect(addr).rcs[0].qp.data_path == SAME_HOST
         os.kill(p.proc.pid, signal.SIGKILL)
-        with pytest.raises(E.PeerUnreachable):
+        with pytest.raises(E.PeerUnreachable, match="not back within resume_window_s"):
             fut.result(30)
         ep.close()
         assert ev.live_resources() == []
