@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Protocol, Tuple, cast
 
 import easypyverbs as ev
 from easypyverbs.stalls import clock
@@ -51,6 +51,12 @@ def cause_first(wcs: List[ev.WC]) -> List[ev.WC]:
     return wcs if cause is None else [cause] + [wc for wc in wcs if wc is not cause]
 
 
+class _Fail(Protocol):
+    """Engine.fail: fail transfer `o` with `exc`, telling the peer (CANCEL) or not."""
+
+    def __call__(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None: ...
+
+
 class Inbound:
     """Engine's handling of completions and control frames (a part of Engine: its state is the engine's)."""
 
@@ -64,15 +70,10 @@ class Inbound:
     resume: Optional["Resumer"]
     _active: Optional[Outgoing]
     _asked: Dict[int, Deque[Tuple[int, "concurrent.futures.Future[Tuple[ResumeState, int]]"]]]
-
-    def fail(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None:
-        raise NotImplementedError
-
-    def send_ctrl(self, c: P.Ctrl) -> None:
-        raise NotImplementedError
-
-    def _maybe_finish_failed(self, o: Outgoing) -> None:
-        raise NotImplementedError
+    # the engine's own (engine.Engine defines them): fail a transfer, send a control frame, free a failed one
+    fail: "_Fail"
+    send_ctrl: Callable[[P.Ctrl], None]
+    _maybe_finish_failed: Callable[[Outgoing], None]
 
     # -- completions ----------------------------------------------------------------------------
     def _on_wc(self, wc: ev.WC) -> None:
