@@ -135,9 +135,9 @@ class ChannelConfig:
     connect_timeout_s: float = 10.0
     #: a connection that breaks mid-transfer (a reset, a route flap, a peer host paused) is dialed again for
     #: this long, with backoff; the peers authenticate anew and the sender sends only what the receiver does not
-    #: hold verified (FedRDMA; a FedRDMA-E transfer is sent again whole), each transfer delivered once. Both
-    #: ends keep the transfers' state meanwhile, within the memory budget. 0 = off: a broken connection fails
-    #: its transfers at once (docs/operations.md, "Dropped links")
+    #: hold verified (FedRDMA: its first bytes; FedRDMA-E: its last, in the old receive slot), each transfer
+    #: delivered once. Both ends keep the transfers' state meanwhile, within the memory budget. 0 = off: a
+    #: broken connection fails its transfers at once (docs/operations.md, "Dropped links")
     resume_window_s: float = 60.0
     #: verbs provider: "auto", "pyverbs" or "soft"; device name for pyverbs
     provider: str = "auto"

@@ -15,7 +15,7 @@ import pytest
 import easypyverbs as ev
 from fate_rdma import errors as E
 from fate_rdma.channel import Endpoint
-from fate_rdma.channel.resume import RESUME_KEY, _resume_field
+from fate_rdma.channel.holding import RESUME_KEY, resume_field
 from fate_rdma.config import ChannelConfig
 from fate_rdma.protocol.frames import CtrlKind, ResumeState
 from fate_rdma.protocol import Ctrl
@@ -83,8 +83,8 @@ def test_a_cut_transfer_is_resumed_and_delivered_once(mode, how):
         no_more(rx)
         assert r["bytes"] == SIZE
         assert r["resumes"] == (0 if done_before else 1), (r, seed)
-        if mode == "fedrdma":  # what is sent again: the chunks in flight at the cut, and one
-            assert r["resent_bytes"] <= (WINDOW + 1) * CHUNK, (r, seed)
+        # what is sent again: the chunks in flight at the cut, and one (FedRDMA-E: back to front, chunk 0 last)
+        assert r["resent_bytes"] <= (WINDOW + 1) * CHUNK, (r, seed)
         assert tx.send(rx.address, b"after").result(10)["resumes"] == 0  # the new connection carries on
         assert bytes(rx.recv(10).view) == b"after"
         assert rx.resumer.held_bytes == 0 and rx.budget.held_bytes >= 0
@@ -116,10 +116,12 @@ def test_a_qp_in_error_is_resumed_on_new_queue_pairs(provider, mode, monkeypatch
         assert new.remote[key].rkey != old.remote[key].rkey
 
 
-def test_a_transfer_cut_twice_is_put_together_from_three_connections():
-    """FedRDMA: cut once, resumed, and cut again while its rest arrives: what arrived of the rest goes behind
-    what was held, the second resume sends only what is still missing, and the transfer arrives once."""
-    c = cfg("fedrdma")
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_a_transfer_cut_twice_is_put_together_from_three_connections(mode):
+    """Cut once, resumed, and cut again while its rest arrives: FedRDMA puts what arrived of the rest behind
+    what was held and the second resume sends only what is still missing; FedRDMA-E sends the part before the
+    suffix it held again. The transfer arrives once."""
+    c = cfg(mode)
     with Endpoint(c) as rx, Endpoint(c) as tx:
         data = payload(SIZE, 11)
         fut = tx.send(rx.address, data)
@@ -130,12 +132,44 @@ def test_a_transfer_cut_twice_is_put_together_from_three_connections():
                  and fut.progress_bytes > SIZE * 5 // 8, 30, "the rest under way on a new connection")
         cut(tx, rx.address, "data-socket")
         r = fut.result(30)
-        assert r["resumes"] == 2 and r["resent_bytes"] <= 2 * (WINDOW + 1) * CHUNK, r
+        assert r["resumes"] == 2, r
+        if mode == "fedrdma":
+            assert r["resent_bytes"] <= 2 * (WINDOW + 1) * CHUNK, r
         msg = rx.recv(10)
         assert bytes(msg.view) == data.tobytes()
         msg.release()
         no_more(rx)
+        tx.send(rx.address, b"next").result(10)  # (slots nobody claimed are let go of once a new transfer comes)
+        rx.recv(10).release()
         assert rx.resumer.held_bytes == 0
+
+
+def test_a_kept_slot_whose_bytes_changed_is_not_trusted(monkeypatch, caplog):
+    """FedRDMA-E: the bytes kept in the slot differ from the sender's (its claim's digest): nothing of the slot is
+    used, the transfer is sent whole again and arrives as it was sent."""
+    from fate_rdma.channel import holding as H
+
+    real = H.Holdings.keep_slot
+
+    def altered(self, peer, slot, area, nbytes):
+        if area.size >= SIZE:  # (the transfer's last byte: placed first, back to front)
+            area[SIZE - 1] ^= 0xFF
+        real(self, peer, slot, area, nbytes)
+
+    monkeypatch.setattr(H.Holdings, "keep_slot", altered)
+    c = cfg("fedrdma-e")
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        data = payload(SIZE, 13)
+        fut = tx.send(rx.address, data)
+        wait_for(lambda: fut.progress_bytes > SIZE // 3, 30, "a third of the transfer")
+        cut(tx, rx.address, "sender-bootstrap")
+        r = fut.result(30)
+        msg = rx.recv(10)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+        no_more(rx)
+        assert r["resumes"] == 1 and r["resent_bytes"] > SIZE // 3, r
+        assert "their digest differs" in caplog.text
 
 
 def test_a_verdict_lost_with_its_connection_is_not_sent_again(monkeypatch):
@@ -282,15 +316,15 @@ def test_an_answer_nobody_asked_for_ends_the_connection_and_is_not_resumed(frame
 def test_a_forged_progress_answer_is_refused(monkeypatch):
     """The receiver's answer claims more than the transfer holds: the sender's connection ends naming it, and
     the transfer is not taken as delivered."""
-    from fate_rdma.channel import resume as R
+    from fate_rdma.channel import holding as H
 
-    real = R.Resumer.query
+    real = H.Holdings.query
 
-    def lying(self, peer, tid, total):
-        state, held = real(self, peer, tid, total)
+    def lying(self, peer, tid, total, claim=None):
+        state, held = real(self, peer, tid, total, claim)
         return (ResumeState.PARTIAL, total) if state is ResumeState.PARTIAL else (state, held)
 
-    monkeypatch.setattr(R.Resumer, "query", lying)
+    monkeypatch.setattr(H.Holdings, "query", lying)
     c = cfg("fedrdma", resume_window_s=3)
     with Endpoint(c) as rx, Endpoint(c) as tx:
         fut = tx.send(rx.address, payload(SIZE, 5))
@@ -302,10 +336,25 @@ def test_a_forged_progress_answer_is_refused(monkeypatch):
 
 
 def test_the_resume_field_read_from_the_wire_is_checked():
-    assert _resume_field([5, 10], 5) == (5, 10) and _resume_field([0, 10], None) == (0, 10)
-    for bad in ([5, 10, 1], [10, 10], [-1, 10], ["5", 10], [True, 10], {"a": 1}, None, [5, 10.0]):
-        assert _resume_field(bad, None) is None, bad
-    assert _resume_field([5, 10], 4) is None  # the rest of 10 bytes from 5 is 5 bytes
+    assert resume_field([5, 10, 10], 5) == (5, 10, 10) and resume_field([0, 4, 10], None) == (0, 4, 10)
+    for bad in ([5, 10], [10, 10, 10], [-1, 10, 10], [0, 11, 10], ["5", 10, 10], [True, 10, 10], {"a": 1}, None,
+                [5, 10.0, 10]):
+        assert resume_field(bad, None) is None, bad
+    assert resume_field([5, 10, 10], 4) is None  # bytes 5 to 10 are 5 bytes
     with pytest.raises(E.FateRdmaError, match=RESUME_KEY):
         with Endpoint(cfg("fedrdma")) as ep:
-            ep.send("127.0.0.1:1", b"x", {RESUME_KEY: [0, 1]})
+            ep.send("127.0.0.1:1", b"x", {RESUME_KEY: [0, 1, 1]})
+
+
+def test_a_resume_claim_read_from_the_wire_is_checked():
+    from fate_rdma.protocol.packing import SuffixClaim, decode_resume, encode_resume
+
+    claim = SuffixClaim(1, 100, bytes(range(32)))
+    c = encode_resume(7, 1000, claim)
+    assert decode_resume(c) == (1000, claim) and decode_resume(encode_resume(7, 1000, None)) == (1000, None)
+    for bad, why in [(Ctrl(CtrlKind.RESUME, 7, 1000, 0, "ab"), "digest without a claim"),
+                     (Ctrl(CtrlKind.RESUME, 7, 1000, 1000, c.reason), "aux"),
+                     (Ctrl(CtrlKind.RESUME, 7, 1000, c.aux, c.reason[:-2]), "64 hex"),
+                     (Ctrl(CtrlKind.RESUME, 7, 1000, c.aux, "zz" * 32), "64 hex")]:
+        with pytest.raises(E.RemoteProtocolError, match=why):
+            decode_resume(bad)

@@ -14,6 +14,7 @@ from .. import metrics, protocol as P
 from ..config import ChannelConfig
 from ..errors import FateRdmaError, PayloadTooLarge, PeerUnreachable, RemoteProtocolError
 from ..protocol.frames import MAX_META, ResumeState
+from ..protocol.packing import SuffixClaim
 from .auth import Identity, direction_keys
 from .buffers import Budget, RecvBuffers, Share
 from .checksum import block_hasher, integrities, payload_checksum_async
@@ -27,8 +28,9 @@ from .layout import LocalMemory
 from .leaving import LeavingDigest
 from .outgoing import Outgoing, Where
 from .path import Path
+from .holding import RESUME_KEY
 from .posting import connection_path, data_qp_cap
-from .resume import RESUME_KEY, RESUME_ROOM, Pending, Resumer
+from .resume import RESUME_ROOM, Pending, Resumer
 from .transfer import Buffers, Fill, Message, Payload, TransferFuture
 from .wire import Wire
 
@@ -241,41 +243,44 @@ class Connection:
         p = pending(buffers, metadata, fill, self.endpoint.next_transfer_id(), self.engine.cancel)
         return self._submit(p, 0)
 
-    def resend(self, p: Pending, start: int) -> None:
-        """Send transfer `p` again, from byte `start` (what the peer did not hold of it: resume.py)."""
+    def resend(self, p: Pending, start: int, end: Optional[int] = None) -> None:
+        """Send bytes [start, end) of transfer `p` again (what the peer did not hold of it: resume.py)."""
+        end = p.total if end is None else end
         if p.fill is not None and not p.fill.done:  # (the copy runs on: only its final bytes go)
-            p.fill.when_done(lambda: self._resend_filled(p, start))
+            p.fill.when_done(lambda: self._resend_filled(p, start, end))
             return
-        self._resend_filled(p, start)
+        self._resend_filled(p, start, end)
 
-    def _resend_filled(self, p: Pending, start: int) -> None:
+    def _resend_filled(self, p: Pending, start: int, end: int) -> None:
         if p.fill is not None and p.fill.error is not None:
             p.fut.set_exception(PeerUnreachable(f"transfer {p.fut.transfer_id}: the payload's copy failed: "
                                                 f"{p.fill.error}"))
             return
         p.fut.rebind(self.engine.cancel)
         try:
-            self._submit(p, start)
+            self._submit(p, start, end)
         except FateRdmaError as exc:
             if not p.fut.done():
                 p.fut.set_exception(exc)
 
-    def ask_resume(self, tid: int, total: int) -> Tuple[ResumeState, int]:
-        """What the peer holds of transfer `tid` (resume.py): its state and the first bytes it holds, verified."""
+    def ask_resume(self, tid: int, total: int, claim: Optional[SuffixClaim]) -> Tuple[ResumeState, int]:
+        """What the peer holds of transfer `tid` (resume.py): its state, and the offset it holds bytes to
+        (PARTIAL) or from (SUFFIX), verified; `claim`: FedRDMA-E's bytes this side knows placed."""
         try:
-            return self.engine.ask_resume(tid, total).result(timeout=self.cfg.connect_timeout_s)
+            return self.engine.ask_resume(tid, total, claim).result(timeout=self.cfg.connect_timeout_s)
         except TimeoutError:
             raise PeerUnreachable(f"{self.peer} did not say within {self.cfg.connect_timeout_s:g} s what it holds "
                                   f"of transfer {tid}") from None
 
-    def _submit(self, p: Pending, start: int) -> TransferFuture:
-        """Transfer `p`'s bytes from `start` on (all of it: 0), as the engine's next."""
-        fill = p.fill if start == 0 else None
-        md = p.metadata if start == 0 and not p.resumes else {**p.metadata, RESUME_KEY: [start, p.total]}
+    def _submit(self, p: Pending, start: int, end: Optional[int] = None) -> TransferFuture:
+        """Transfer `p`'s bytes [start, end) (all of it: 0, None), as the engine's next."""
+        whole = start == 0 and end in (None, p.total)
+        fill = p.fill if whole else None
+        md = p.metadata if whole and not p.resumes else {**p.metadata, RESUME_KEY: [start, end or p.total, p.total]}
         meta = json.dumps(md, separators=(",", ":")).encode()
         if len(meta) > MAX_META:
             raise FateRdmaError(f"metadata of {len(meta)} bytes exceeds {MAX_META}")
-        payload = Payload(self.pd, p.buffers if start == 0 else p.views(start), fill)
+        payload = Payload(self.pd, p.buffers if whole else p.views(start, end), fill)
         fut = p.fut
         out = Outgoing(fut, payload, meta, self.send_integrity, p, start)
         if out.checksums and self.cfg.mode == "fedrdma-e":

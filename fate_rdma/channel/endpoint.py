@@ -424,7 +424,7 @@ class Endpoint:
     def deliver(self, msg: Message) -> None:
         """A complete message from a connection: to the taker (on_message), else to the inbox."""
         if self._resumer is not None:  # (a transfer delivered once, the rest of one behind what was held of it)
-            whole = self._resumer.arrived(msg)
+            whole = self._resumer.holdings.arrived(msg)
             if whole is None:
                 return
             msg = whole

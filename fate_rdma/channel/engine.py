@@ -34,6 +34,7 @@ from ..errors import (ConfigError, PayloadTooLarge, PeerUnreachable, TransferCan
                       TransferError)
 from ..protocol.frames import CtrlKind, ErrorCode, ResumeState
 from ..protocol.hello import Hello
+from ..protocol.packing import SuffixClaim, encode_resume
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes
 from ..protocol.refusal import error_frame
 from .buffers import RecvBuffers
@@ -51,7 +52,7 @@ log = logging.getLogger("fate_rdma.channel")
 
 #: what a request carries: SEND its transfer, CANCEL the transfer's future, RELEASE a slot, STOP nothing;
 #: ASK (transfer id, bytes, the future of the answer), ANSWER (transfer id, ResumeState, bytes held), BREAK why
-_Arg = Union[Outgoing, TransferFuture, int, None, Tuple[int, int, "concurrent.futures.Future[Tuple[ResumeState, int]]"],
+_Arg = Union[Outgoing, TransferFuture, int, None, Tuple[P.Ctrl, "concurrent.futures.Future[Tuple[ResumeState, int]]"],
              Tuple[int, ResumeState, int], BaseException]
 
 
@@ -115,10 +116,12 @@ class Engine(Inbound):
             self._request(Request.STOP, None)
             self.thread.join(timeout=10)
 
-    def ask_resume(self, tid: int, total: int) -> "concurrent.futures.Future[Tuple[ResumeState, int]]":
-        """What the peer holds of transfer `tid` of `total` bytes (RESUME; the future of its RESUMED)."""
+    def ask_resume(self, tid: int, total: int, claim: Optional[SuffixClaim] = None
+                   ) -> "concurrent.futures.Future[Tuple[ResumeState, int]]":
+        """What the peer holds of transfer `tid` of `total` bytes (RESUME, with FedRDMA-E's `claim`; the future
+        of its RESUMED)."""
         fut: "concurrent.futures.Future[Tuple[ResumeState, int]]" = concurrent.futures.Future()
-        self._request(Request.ASK, (tid, total, fut))
+        self._request(Request.ASK, (encode_resume(tid, total, claim), fut))
         return fut
 
     def answer_resume(self, tid: int, state: ResumeState, held: int) -> None:
@@ -182,8 +185,8 @@ class Engine(Inbound):
                 return
             if kind is Request.SEND and isinstance(arg, Outgoing):
                 self._lose(arg, err)
-            elif kind is Request.ASK and isinstance(arg, tuple) and isinstance(arg[2], concurrent.futures.Future):
-                arg[2].set_exception(err)
+            elif kind is Request.ASK and isinstance(arg, tuple) and isinstance(arg[-1], concurrent.futures.Future):
+                arg[-1].set_exception(err)
 
     def _lose(self, o: Outgoing, err: BaseException) -> None:
         """The connection ended under `o`: it waits for the next connection (resume.py) or fails with `err`."""
@@ -192,8 +195,7 @@ class Engine(Inbound):
             return
         p = o.source
         if self._resumable and self.resume is not None and p is not None:
-            p.sent = p.sent or o.posted_any
-            p.posted = (o.base + o.posted_lo, o.base + o.posted_hi) if o.posted_any else (0, 0)
+            p.lost_on(o)
             if self.resume.orphan(self.address, p, err):
                 return
         o.fut.set_exception(err)
@@ -248,13 +250,13 @@ class Engine(Inbound):
             elif kind is Request.STOP:
                 self._stop = True
             elif kind is Request.ASK and isinstance(arg, tuple):
-                tid, total, fut = arg
-                assert isinstance(fut, concurrent.futures.Future)
-                self._asked.setdefault(int(tid), collections.deque()).append((int(total), fut))
-                self.send_ctrl(P.Ctrl(CtrlKind.RESUME, int(tid), int(total)))
+                ask, fut = arg[0], arg[-1]
+                assert isinstance(ask, P.Ctrl) and isinstance(fut, concurrent.futures.Future)
+                self._asked.setdefault(ask.transfer_id, collections.deque()).append((ask.value, fut))
+                self.send_ctrl(ask)
             elif kind is Request.ANSWER and isinstance(arg, tuple):
-                tid, state, held = arg
-                assert isinstance(state, ResumeState) and isinstance(held, int)
+                tid, state, held = arg[0], arg[1], arg[-1]
+                assert isinstance(tid, int) and isinstance(state, ResumeState) and isinstance(held, int)
                 self.send_ctrl(P.Ctrl(CtrlKind.RESUMED, int(tid), int(state), held))
             elif kind is Request.BREAK and isinstance(arg, BaseException):
                 raise arg
@@ -451,7 +453,10 @@ class Engine(Inbound):
             for _total, fut in asks:
                 fut.set_exception(err)
         self._asked.clear()
+        holdings = self.resume.holdings if self._resumable and self.resume is not None else None
         if modes.staged_receiver is not None:
-            modes.staged_receiver.clear(self.resume.keep if self._resumable and self.resume is not None else None)
+            modes.staged_receiver.clear(holdings.keep if holdings is not None else None)
+        if modes.slot_receiver is not None and holdings is not None:
+            modes.slot_receiver.keep(holdings.keep_slot)
         self._on_dead()
 

@@ -22,9 +22,10 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Dict, List, Mapping, Optional, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set
 
 import crc32c
+from numpy.typing import NDArray
 
 import easypyverbs as ev
 from easypyverbs.stalls import clock
@@ -320,6 +321,21 @@ class SlotReceiver:
         self._early.pop(slot, None)
         rkey = self.slots.grant(slot)
         self.port.send_ctrl(self.pool.granted(slot, rkey, self.pool.capacity[slot]))
+
+    def keep(self, keep_slot: Callable[[str, int, NDArray[Any], int], None]) -> None:
+        """The connection broke (resume.py): hand each slot that may hold the last bytes of a transfer to
+        `keep_slot` (holding.Holdings.keep_slot) with its part of the budget. Such a slot was grown for a large
+        transfer, or PLACED notes named one, and holds no transfer that arrived; the peer's WRITEs to it end."""
+        base, lent = self.offer.offset_in_slot(0), self.lent_slots()
+        for i in range(self.machine.nslots):
+            state, capacity = self.machine.slot_state[i], self.pool.capacity[i]
+            if i in lent or i in self.machine.held or state not in (P.SlotRecvState.EMPTY, P.SlotRecvState.NOTED) \
+                    or (capacity <= self.slots.initial_payload_bytes and state is not P.SlotRecvState.NOTED):
+                continue
+            self.slots.revoke(i)
+            nbytes = self.slots.slot_bytes(i)
+            self.share.release(nbytes)  # (the holdings reserve it under the peer's name)
+            keep_slot(self.peer, i, self.slots.array(i)[base:base + capacity], nbytes)
 
     # -- the pool follows the traffic -------------------------------------------------------------
     def on_grow(self, c: P.Ctrl) -> None:

@@ -16,7 +16,7 @@ from .. import protocol as P
 from ..config import ChannelConfig
 from ..errors import PeerUnreachable, RemoteProtocolError, TransferCancelled
 from ..protocol.frames import CtrlKind, ResumeState
-from ..protocol.packing import StagedWrite, decode_imm, is_recv, split_recv_wr_id
+from ..protocol.packing import StagedWrite, decode_imm, decode_resume, is_recv, split_recv_wr_id
 from ..protocol.policy import Mode
 from ..protocol.refusal import refusal
 from .fedrdma import StagedReceiver, StagedSender
@@ -26,7 +26,8 @@ from .path import Path
 from .wire import Wire
 
 if TYPE_CHECKING:
-    from .resume import PeerEngine, Resumer
+    from .holding import PeerEngine
+    from .resume import Resumer
 
 log = logging.getLogger("fate_rdma.channel")
 
@@ -157,10 +158,11 @@ class Inbound:
         elif c.kind is CtrlKind.ERROR:
             self._on_error(c, a)
         elif c.kind is CtrlKind.RESUME:
+            total, claim = decode_resume(c)  # (every field checked)
             if self.resume is None:  # (resume_window_s 0: nothing is held here)
                 self.send_ctrl(P.Ctrl(CtrlKind.RESUMED, c.transfer_id, int(ResumeState.UNKNOWN), 0))
             else:
-                self.resume.answer(cast("PeerEngine", self), peer, c.transfer_id, int(c.value))
+                self.resume.holdings.answer(cast("PeerEngine", self), peer, c.transfer_id, total, claim)
         elif c.kind is CtrlKind.RESUMED:
             self._on_resumed(c)
         elif c.kind is CtrlKind.PROBE:
@@ -186,7 +188,8 @@ class Inbound:
             raise RemoteProtocolError(f"{self.peer} sent RESUMED for transfer {c.transfer_id} in unknown state "
                                       f"{c.value}")
         state = ResumeState(c.value)
-        if (state is ResumeState.PARTIAL and not 0 < c.aux < total) or (state is not ResumeState.PARTIAL and c.aux):
+        offset = state in (ResumeState.PARTIAL, ResumeState.SUFFIX)  # (the offset held to, or from)
+        if (offset and not 0 < c.aux < total) or (not offset and c.aux):
             raise RemoteProtocolError(f"{self.peer} sent RESUMED for transfer {c.transfer_id} of {total} bytes "
                                       f"holding {c.aux} bytes in state {state.name}")
         fut.set_result((state, int(c.aux)))

@@ -94,5 +94,7 @@ class Outgoing:
             trace.event("c_first", tid=self.fut.transfer_id)
 
     def report_progress(self, done_bytes: int) -> None:
-        """Its machine's word that `done_bytes` of this payload are through (of the whole, where it is a rest)."""
-        self.fut.report_progress(self.base + done_bytes)
+        """Its machine's word that `done_bytes` of this payload are through (of the whole, where it is a part of
+        a resumed transfer: with what the peer held of it)."""
+        held = self.source.total - self.payload.total if self.source is not None else 0
+        self.fut.report_progress(held + done_bytes)

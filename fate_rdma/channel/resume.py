@@ -3,20 +3,18 @@
 When a connection ends mid-transfer for a reason of the path (PeerUnreachable: a reset, a data connection
 or QP in error, a peer gone quiet), and resume_window_s is not 0, both ends keep what they had:
     the sender   each transfer it had not been told was delivered (`Pending`: the caller's buffers, the
-                 future the caller holds), and every send to that peer meanwhile, in order. A thread dials
-                 the peer again with backoff until the window has passed; the peers authenticate anew.
-    the receiver each FedRDMA transfer whose first bytes had arrived and been verified (`Held`: its
-                 reassembly buffer, counted against the memory budget), and for twice the window the ids
-                 of the transfers it delivered.
-On the new connection the sender asks (CTRL RESUME) what the receiver holds of each transfer that may have
-reached it; the receiver answers (RESUMED, sealed under the new session key like every frame): all of it,
-delivered (the sender's future completes, nothing is sent); its first bytes, verified (the sender sends the
-rest, as a transfer of its own whose metadata says where it goes, `_resume`); or nothing (sent whole again).
-The receiver puts the rest behind what it held and delivers the transfer once, under its id.
-
-A FedRDMA-E transfer is not held at the receiver (its bytes are in the old connection's receive slot,
-verified only as a whole): it is sent whole again, and delivered once. A process that restarts starts over:
-nothing of its transfers survives it.
+                 future the caller holds, and for FedRDMA-E the slot and offset from which it knows every byte
+                 placed), and every send to that peer meanwhile, in order. A thread dials the peer again with
+                 backoff until the window has passed; the peers authenticate anew.
+    the receiver what arrived of them (holding.py: FedRDMA's verified prefix, FedRDMA-E's receive slots), and
+                 for twice the window the ids of the transfers it delivered.
+On the new connection the sender asks (CTRL RESUME; FedRDMA-E: claiming the bytes it knows placed, with their
+digest) what the receiver holds of each transfer that may have reached it; the receiver answers (RESUMED,
+sealed under the new session key like every frame): all of it, delivered (the sender's future completes,
+nothing is sent); its first bytes, verified (the sender sends the rest); its last bytes, verified against the
+claim's digest (the sender sends the first); or nothing (sent whole again). What is sent goes as a transfer of
+its own whose metadata says where it goes (`_resume`); the receiver puts it beside what it held and delivers
+the transfer once, under its id. A process that restarts starts over: nothing of its transfers survives it.
 """
 from __future__ import annotations
 
@@ -25,22 +23,19 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
-
-from numpy.typing import NDArray
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from .. import metrics
-from ..config import ChannelConfig
 from ..errors import AuthenticationError, ConfigError, FateRdmaError, PeerUnreachable, TransferCancelled
+from ..protocol.fedrdma_e import FedRdmaESender
 from ..protocol.frames import ResumeState
-from .buffers import Budget, copy_into
-from .transfer import Buffers, Fill, Message, Payload, TransferFuture
+from ..protocol.packing import SuffixClaim, suffix_digest
+from .holding import Holdings, Keeper
+from .transfer import Buffers, Fill, Payload, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
 
-#: the metadata key of a transfer that carries the rest of an earlier one: [its offset, the whole's bytes]
-RESUME_KEY = "_resume"
-#: metadata bytes kept free for RESUME_KEY: a transfer's metadata may take MAX_META less this
+#: metadata bytes kept free for holding.RESUME_KEY: a transfer's metadata may take MAX_META less this
 RESUME_ROOM = 64
 #: a transfer resumed this many times in a row without the receiver holding more of it fails (a fault that
 #: breaks every connection it goes over, not the path)
@@ -49,48 +44,35 @@ MAX_FRUITLESS = 4
 MAX_BACKOFF_S = 2.0
 
 
-class PeerEngine(Protocol):
-    """What the resumer needs of a connection's engine (engine.Engine)."""
-
-    @property
-    def dead(self) -> Optional[BaseException]: ...
-
-    @property
-    def thread(self) -> threading.Thread: ...
-
-    def break_off(self, why: PeerUnreachable) -> None: ...
-
-    def answer_resume(self, tid: int, state: ResumeState, held: int) -> None: ...
-
-
 class Resuming(Protocol):
     """A connection as the resumer sends on it (connection.Connection)."""
 
-    def ask_resume(self, tid: int, total: int) -> Tuple[ResumeState, int]: ...
+    def ask_resume(self, tid: int, total: int, claim: Optional[SuffixClaim]) -> Tuple[ResumeState, int]: ...
 
-    def resend(self, p: "Pending", start: int) -> None: ...
+    def resend(self, p: "Pending", start: int, end: Optional[int] = None) -> None: ...
 
 
-class Home(Protocol):
-    """What the resumer needs of its endpoint (endpoint.Endpoint)."""
+class Cut(Protocol):
+    """A transfer (or part of one) as it was when its connection broke (outgoing.Outgoing)."""
 
     @property
-    def name(self) -> str: ...
+    def machine(self) -> Optional[object]: ...
+
+    base: int
+    payload: Payload
+    slot: Optional[int]
+    posted_any: bool
+    posted_lo: int
+    posted_hi: int
+
+
+class Home(Keeper, Protocol):
+    """What the resumer needs of its endpoint (endpoint.Endpoint)."""
 
     @property
     def closed(self) -> bool: ...
 
-    @property
-    def config(self) -> ChannelConfig: ...
-
-    @property
-    def budget(self) -> Budget: ...
-
-    def recv_alloc(self, n: int) -> Any: ...
-
     def connect(self, address: str, timeout_s: Optional[float] = None) -> Any: ...
-
-    def engines_of(self, peer: str) -> Sequence[PeerEngine]: ...
 
 
 @dataclasses.dataclass
@@ -106,6 +88,8 @@ class Pending:
     sent: bool = False
     #: the payload's byte range posted on the connection that broke (for `resent_bytes`)
     posted: Tuple[int, int] = (0, 0)
+    #: FedRDMA-E: the slot of the connection that broke and the offset from which every byte is placed in it
+    suffix: Optional[Tuple[int, int]] = None
     resumes: int = 0
     resent_bytes: int = 0
     #: seconds it waited for a connection again, all its resumes together
@@ -114,28 +98,34 @@ class Pending:
     fruitless: int = 0
     held: int = -1
 
-    def views(self, start: int) -> List[memoryview]:
-        """The payload's bytes from `start` to its end, as views of the caller's buffers (no copy)."""
+    def lost_on(self, o: Cut) -> None:
+        """Its connection broke under `o` (this transfer, or a part of it): what may have reached the peer."""
+        self.sent = self.sent or o.posted_any
+        self.posted = (o.base + o.posted_lo, o.base + o.posted_hi) if o.posted_any else (0, 0)
+        m, self.suffix = o.machine, None
+        if isinstance(m, FedRdmaESender) and o.slot is not None and (o.base, o.payload.total) == (0, self.total):
+            placed = m.placed_from()  # (back to front: a suffix, by the WRITEs that completed)
+            self.suffix = (o.slot, placed) if placed else None
+
+    def views(self, start: int, end: Optional[int] = None) -> List[memoryview]:
+        """The payload's bytes from `start` to `end` (its end), as views of the caller's buffers (no copy)."""
         from easypyverbs.buffers import as_byte_view
 
+        end = self.total if end is None else end
         out, at = [], 0
         for b in Payload.listed(self.buffers):
             v = as_byte_view(b)
-            if at + v.nbytes > start and v.nbytes:
-                out.append(v[max(0, start - at):])
+            if at + v.nbytes > start and at < end and v.nbytes:
+                out.append(v[max(0, start - at):end - at])
             at += v.nbytes
         return out
 
-
-@dataclasses.dataclass
-class Held:
-    """What a receiver keeps of a FedRDMA transfer whose connection broke: its first `prefix` bytes, verified."""
-
-    total: int
-    dest: NDArray[Any]
-    prefix: int
-    deadline: float
-    reserved: int
+    def claim(self) -> Optional[SuffixClaim]:
+        """FedRDMA-E: the bytes it knows placed in the slot of the connection that broke, digested (RESUME)."""
+        if self.suffix is None:
+            return None
+        slot, start = self.suffix
+        return SuffixClaim(slot, start, suffix_digest(self.fut.transfer_id, self.total, start, self.views(start)))
 
 
 @dataclasses.dataclass
@@ -149,14 +139,14 @@ class _Outage:
 
 
 class Resumer:
-    """The resuming of one endpoint's transfers, both sides (see the module's docstring)."""
+    """The resuming of one endpoint's transfers: its own (sending), and through `holdings` its peers'."""
 
     def __init__(self, endpoint: Home, window_s: float) -> None:
         self.endpoint, self.window_s = endpoint, window_s
         self._lock = threading.Lock()
         self._outages: Dict[str, _Outage] = {}
-        self._held: Dict[Tuple[str, int], Held] = {}
-        self._delivered: Dict[Tuple[str, int], float] = {}
+        #: the receiving side: what this endpoint keeps of transfers to it whose connection broke
+        self.holdings = Holdings(endpoint, window_s)
         #: addresses whose connection broke (not closed), and when: a send that cannot dial one of them within
         #: the window waits for it as the transfers under way did
         self._broken: Dict[str, float] = {}
@@ -267,7 +257,7 @@ class Resumer:
                 p = outage.pending[0]
             state, start = ResumeState.UNKNOWN, 0
             if p.sent:  # (raises PeerUnreachable if the connection breaks again; p is still first in line)
-                state, start = conn.ask_resume(p.fut.transfer_id, p.total)
+                state, start = conn.ask_resume(p.fut.transfer_id, p.total, p.claim())
             with self._lock:
                 if not outage.pending or outage.pending[0] is not p:
                     continue  # (cancelled meanwhile)
@@ -277,17 +267,20 @@ class Resumer:
             if not p.sent:  # (it waited: nothing of it left before, it goes as it would have)
                 conn.resend(p, 0)
                 continue
-            p.fruitless, p.held = (0, start) if start > p.held else (p.fruitless + 1, p.held)
+            held = start if state is ResumeState.PARTIAL else p.total - start if state is ResumeState.SUFFIX else 0
+            p.fruitless, p.held = (0, held) if held > p.held else (p.fruitless + 1, p.held)
             if p.fruitless >= MAX_FRUITLESS and state is not ResumeState.DELIVERED:
                 with self._lock:
                     self.failed += 1
                 p.fut.set_exception(PeerUnreachable(
                     f"transfer {p.fut.transfer_id} to {address}: its connection broke {p.resumes + 1} times, the last "
-                    f"{MAX_FRUITLESS} without the receiver holding more of it ({start} of {p.total} bytes); last "
+                    f"{MAX_FRUITLESS} without the receiver holding more of it ({held} of {p.total} bytes); last "
                     f"cause: {outage.cause}"))
                 continue
-            lo, hi = p.posted
-            resent = max(0, hi - max(lo, start)) if state is not ResumeState.DELIVERED else 0
+            lo, hi = p.posted  # (what is sent again: [start, total), or [0, start) where the receiver held a suffix)
+            send = (0, 0) if state is ResumeState.DELIVERED else (0, start) if state is ResumeState.SUFFIX \
+                else (start, p.total)
+            resent = max(0, min(hi, send[1]) - max(lo, send[0]))
             p.resumes += 1
             p.resent_bytes += resent
             p.waited_s += time.monotonic() - outage.since
@@ -298,14 +291,14 @@ class Resumer:
             log.warning("fate-rdma endpoint %s: transfer %d to %s resumed after %.1f s: %s", self.endpoint.name,
                         p.fut.transfer_id, address, time.monotonic() - outage.since,
                         "the peer had it all" if state is ResumeState.DELIVERED else
-                        f"{start} of {p.total} bytes were there, {p.total - start} sent again ({resent} of them had "
+                        f"{held} of {p.total} bytes were there, {p.total - held} sent again ({resent} of them had "
                         f"been sent before)")
             if state is ResumeState.DELIVERED:
                 p.fut.set_result({"transfer_id": p.fut.transfer_id, "bytes": p.total, "seconds": 0.0,
                                   "mode": p.fut.mode, "window": p.fut.window, "chunks": p.fut.chunks, "qps": 0,
                                   "resumes": p.resumes, "resent_bytes": p.resent_bytes, "resume_wait_s": p.waited_s})
             else:
-                conn.resend(p, start)
+                conn.resend(p, *send)
 
     def _give_up(self, address: str, outage: _Outage, err: BaseException) -> None:
         with self._lock:
@@ -320,155 +313,21 @@ class Resumer:
             log.error("fate-rdma endpoint %s: %d transfer(s) to %s failed: %s", self.endpoint.name, len(lost),
                       address, err)
 
-    # -- receiver -------------------------------------------------------------------------------
-    def keep(self, peer: str, tid: int, total: int, meta: Optional[bytes], dest: NDArray[Any], prefix: int) -> None:
-        """A FedRDMA transfer from `peer` whose connection broke after its first `prefix` bytes arrived and were
-        verified (the engine's thread): hold them for the window, within the memory budget."""
-        from easypyverbs.bootstrap import loads_object
-
-        try:
-            md = loads_object(meta or b"{}")
-        except ValueError:
-            md = {}
-        part = _resume_field(md.get(RESUME_KEY), total) if isinstance(md, dict) else None
-        with self._lock:
-            if part is not None:  # the rest of an earlier transfer: what arrived goes behind what was held
-                start, whole = part
-                held = self._held.get((peer, tid))
-                if held is not None and held.total == whole and start <= held.prefix:
-                    copy_into(held.dest, start, dest.data.cast("B")[:prefix])
-                    held.prefix = max(held.prefix, start + prefix)
-                    held.deadline = time.monotonic() + self.window_s
-                return
-            if prefix <= 0 or self._closed or not self.endpoint.budget.reserve(total, peer):
-                return
-            self._held[(peer, tid)] = Held(total, dest, prefix, time.monotonic() + self.window_s, total)
-        log.info("fate-rdma endpoint %s: holding %d of %d bytes of transfer %d from %s for resume_window_s (%g s)",
-                 self.endpoint.name, prefix, total, tid, peer, self.window_s)
-
-    def answer(self, engine: PeerEngine, peer: str, tid: int, total: int) -> None:
-        """`peer` asks on `engine`'s connection what this side holds of its transfer `tid` (RESUME; in the
-        engine's turn). Where another connection from it is still up here (this side has not seen it break
-        yet), that one is ended first, its transfers kept, so that nothing arrives on it after the answer."""
-        others = [e for e in self.endpoint.engines_of(peer) if e is not engine and e.dead is None]
-        if not others:
-            engine.answer_resume(tid, *self.query(peer, tid, total))
-            return
-
-        def after_break() -> None:
-            for e in others:
-                e.break_off(PeerUnreachable(f"{peer} resumed its transfers on a new connection"))
-            for e in others:
-                e.thread.join(timeout=self.endpoint.config.connect_timeout_s / 2)  # (the asker waits connect_timeout_s)
-            engine.answer_resume(tid, *self.query(peer, tid, total))
-
-        threading.Thread(target=after_break, name=f"fate-rdma-resume-answer-{peer}", daemon=True).start()
-
-    def query(self, peer: str, tid: int, total: int) -> Tuple[ResumeState, int]:
-        """What this side holds of `peer`'s transfer `tid` of `total` bytes (its RESUME); held bytes stay held
-        for another window (the rest is on its way)."""
-        with self._lock:
-            if (peer, tid) in self._delivered:
-                return ResumeState.DELIVERED, 0
-            held = self._held.get((peer, tid))
-            if held is None:
-                return ResumeState.UNKNOWN, 0
-            if held.total != total:
-                log.warning("fate-rdma endpoint %s: %s resumes transfer %d as %d bytes, %d were arriving: sent whole "
-                            "again", self.endpoint.name, peer, tid, total, held.total)
-                self._drop((peer, tid))
-                return ResumeState.UNKNOWN, 0
-            held.deadline = time.monotonic() + self.window_s
-            return ResumeState.PARTIAL, held.prefix
-
-    def arrived(self, msg: Message) -> Optional[Message]:
-        """A complete message (the endpoint's deliver): the message to deliver, None if there is none (a
-        duplicate, or the rest of a transfer whose start is gone: logged)."""
-        key = (msg.peer, msg.transfer_id)
-        md = msg.metadata if isinstance(msg.metadata, dict) else {}
-        raw = md.pop(RESUME_KEY, None) if RESUME_KEY in md else None
-        with self._lock:
-            if key in self._delivered:
-                log.warning("fate-rdma endpoint %s: transfer %d from %s arrived again after its delivery: dropped",
-                            self.endpoint.name, msg.transfer_id, msg.peer)
-                msg.release()
-                return None
-            self._delivered[key] = time.monotonic() + 2 * self.window_s
-            if raw is None:
-                return msg
-            part = _resume_field(raw, None)
-            if part is None or part[0] + msg.nbytes != part[1]:
-                self._delivered.pop(key)
-                log.error("fate-rdma endpoint %s: transfer %d from %s: its %s field %r does not describe its %d "
-                          "bytes: dropped", self.endpoint.name, msg.transfer_id, msg.peer, RESUME_KEY, raw, msg.nbytes)
-                msg.release()
-                return None
-            start, total = part
-            if start == 0:
-                return msg
-            held = self._held.pop(key, None)
-            if held is None or held.total != total or start > held.prefix:
-                self._delivered.pop(key)
-                log.error("fate-rdma endpoint %s: transfer %d from %s: the rest of it arrived (from byte %d), but "
-                          "what was held of it %s: dropped", self.endpoint.name, msg.transfer_id, msg.peer, start,
-                          "is gone (resume_window_s passed)" if held is None else "does not fit")
-                if held is not None:
-                    self._release(msg.peer, held)
-                msg.release()
-                return None
-        copy_into(held.dest, start, msg.view)
-        msg.release()
-        self._release(msg.peer, held)  # (the application's memory from here on, as any delivered message's)
-        return Message(msg.peer, msg.transfer_id, md, held.dest.data.cast("B"), "fedrdma", None,
-                       self.endpoint.recv_alloc)
-
+    # -- receiver (holding.py) -------------------------------------------------------------------
     def expire(self) -> None:
         """Let go of what the window no longer covers (the endpoint calls it every half second)."""
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, t in self._delivered.items() if t < now]:
-                del self._delivered[key]
             for address in [a for a, t in self._broken.items() if now - t > self.window_s]:
                 del self._broken[address]
-            gone = [k for k, h in self._held.items() if h.deadline < now]
-            for key in gone:
-                log.warning("fate-rdma endpoint %s: transfer %d from %s not resumed within resume_window_s (%g s): "
-                            "the %d bytes held of it are let go of", self.endpoint.name, key[1], key[0],
-                            self.window_s, self._held[key].prefix)
-                self._drop(key)
-
-    def _drop(self, key: Tuple[str, int]) -> None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            self._release(key[0], held)
-
-    def _release(self, peer: str, held: Held) -> None:
-        if held.reserved:
-            self.endpoint.budget.release(held.reserved, peer)
-            held.reserved = 0
+        self.holdings.expire()
 
     @property
     def held_bytes(self) -> int:
-        with self._lock:
-            return sum(h.reserved for h in self._held.values())
+        return self.holdings.held_bytes
 
     def close(self) -> None:
         """The endpoint closes: what waits fails, what is held is let go of."""
         with self._lock:
             self._closed = True
-            keys = list(self._held)
-        for key in keys:
-            with self._lock:
-                self._drop(key)
-
-
-def _resume_field(raw: Any, total: Optional[int]) -> Optional[Tuple[int, int]]:
-    """[start, whole] of a `_resume` field read from the wire, checked; None if it is not one (`total`: the
-    bytes of the transfer that carries it, where known: the rest of a whole must be whole - start bytes)."""
-    if not (isinstance(raw, list) and len(raw) == 2 and all(type(x) is int for x in raw)):
-        return None
-    start, whole = raw
-    if not 0 <= start < whole or (total is not None and whole - start != total):
-        return None
-    return start, whole
-
+        self.holdings.close()

@@ -145,6 +145,10 @@ class SlotMemory:
     def view(self, slot: int) -> memoryview:
         return self._arrs[slot].data[:self.slot_bytes(slot)]
 
+    def array(self, slot: int) -> NDArray[Any]:
+        """The slot's memory (its largest extent): it outlives `close` for as long as this array or a view of it."""
+        return self._arrs[slot]
+
     def _register(self, slot: int, faulted_bytes: int) -> ev.MR:
         n = self.slot_bytes(slot)
         if self.pin and n > faulted_bytes:

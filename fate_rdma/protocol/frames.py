@@ -40,7 +40,7 @@ keeps its size and version, and one flag bit says which reading applies. Decodin
 (reserved fields and unknown flags are refused), so `encode_header(decode_header(raw)) == raw` for
 every header accepted and the receiver may MAC the re-encoded fields.
 
-CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL; at most
+CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL, a RESUME's digest; at most
 `MAX_REASON`): control messages that travel as SENDs on the first QP of a connection.
 
     magic        u16  0xFD4A
@@ -57,8 +57,9 @@ CTRL `!HBBHHQQQ` (32 bytes), then `reason_len` bytes of UTF-8 (ERROR and CANCEL;
     aux          u64  ACK: the staging buffer the chunk used (its credit goes back); CREDIT: the rkey
                       under which the slot is granted again; GROW: payload bytes the transfer needs;
                       RECLAIM, RETURN: the rkey of the grant asked back / handed back; PLACED: the
-                      payload offset from which every byte is placed; RESUMED: the bytes held (PARTIAL);
-                      else 0
+                      payload offset from which every byte is placed; RESUME: slot << 48 | payload offset
+                      (a FedRDMA-E claim: packing.py; 0: none); RESUMED: the offset held to or from
+                      (PARTIAL, SUFFIX); else 0
 
     tag          16 B CTRL_FLAG_MAC only: keyed BLAKE2b-128 of (the frame's number on this connection in
                       this direction, u64 big-endian, counted from 0) || the frame and its reason, keyed
@@ -123,10 +124,11 @@ class CtrlKind(enum.IntEnum):
     #: `value & PLACED_TOTAL_MASK` bytes: the receiver may checksum them before the header arrives
     PLACED = 11
     #: sender -> receiver, on a connection made again after one broke mid-transfer: what is held of
-    #: `transfer_id` (`value` payload bytes)? Answered by RESUMED
+    #: `transfer_id` (`value` payload bytes)? With a FedRDMA-E claim in `aux` and its digest as the reason
+    #: (packing.py). Answered by RESUMED
     RESUME = 12
     #: receiver -> sender: of `transfer_id`, this side holds state `value` (ResumeState), and with PARTIAL
-    #: the payload's first `aux` bytes, verified
+    #: the payload's first `aux` bytes, verified, with SUFFIX its bytes from `aux` on
     RESUMED = 13
 
 
@@ -145,6 +147,7 @@ class ResumeState(enum.IntEnum):
     UNKNOWN = 0  # nothing: send it whole
     PARTIAL = 1  # its first `aux` bytes, verified: send the rest
     DELIVERED = 2  # all of it, delivered: nothing to send
+    SUFFIX = 3  # its bytes from `aux` to the end, verified (FedRDMA-E: against the RESUME's digest): send the first
 
 
 @dataclasses.dataclass(frozen=True)

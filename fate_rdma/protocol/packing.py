@@ -22,13 +22,24 @@ PLACED note `value`, 64 bits (frames.CtrlKind.PLACED; `aux` is the payload offse
 
     bits 48..63  the slot the transfer is written to
     bits 0..47   the payload's bytes (PLACED_TOTAL_MASK)
+
+RESUME `aux`, 64 bits (frames.CtrlKind.RESUME; `value` is the payload's bytes): a FedRDMA-E sender's claim
+that every payload byte from an offset to the end is in a slot of the connection that broke (0: no claim)
+
+    bits 48..63  the slot
+    bits 0..47   the offset (> 0)
+and its `reason` the claim's digest, 64 hex digits: BLAKE3-256 of "fate-rdma resume" || transfer_id, the
+payload's bytes, the offset (u64 each, big-endian) || those bytes. The frame is sealed, so the digest is the
+sender's; a receiver holds the bytes only if its own digest of them is the same (channel/holding.py).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
-from ..errors import LocalProtocolError
+import blake3
+
+from ..errors import LocalProtocolError, RemoteProtocolError
 from .frames import PLACED_TOTAL_MASK, Ctrl, CtrlKind
 
 STAGING_BIT = 1 << 31
@@ -126,3 +137,54 @@ def encode_placed(note: PlacedNote) -> Ctrl:
 def decode_placed(c: Ctrl) -> PlacedNote:
     """The note a PLACED frame carries (its fields unchecked: the receiver checks them against its pool)."""
     return PlacedNote(c.transfer_id, c.value >> PLACED_SLOT_SHIFT, c.value & PLACED_TOTAL_MASK, c.aux)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SuffixClaim:
+    """A FedRDMA-E sender's word, in its RESUME, that payload bytes `start` .. end are in slot `slot` of the
+    connection that broke; `digest`: theirs (suffix_digest)."""
+
+    slot: int
+    start: int
+    digest: bytes
+
+
+def suffix_digest(transfer_id: int, total: int, start: int, views: Sequence[memoryview]) -> bytes:
+    """BLAKE3-256 of a payload's bytes from `start` to its end (`views`), bound to the transfer and offset."""
+    h = blake3.blake3(b"fate-rdma resume" + b"".join(x.to_bytes(8, "big") for x in (transfer_id, total, start)),
+                      max_threads=blake3.blake3.AUTO)
+    for v in views:
+        h.update(v)
+    return h.digest()
+
+
+def encode_resume(transfer_id: int, total: int, claim: Optional[SuffixClaim]) -> Ctrl:
+    """The RESUME frame asking what the peer holds of `transfer_id`, with the sender's claim if it has one."""
+    if claim is None:
+        return Ctrl(CtrlKind.RESUME, transfer_id, total)
+    if not (0 <= claim.slot < MAX_PLACED_SLOT and 0 < claim.start < total <= PLACED_TOTAL_MASK
+            and len(claim.digest) == 32):
+        raise LocalProtocolError(f"RESUME claim of slot {claim.slot} from byte {claim.start} of {total} does not "
+                                 f"fit its frame")
+    return Ctrl(CtrlKind.RESUME, transfer_id, total, claim.slot << PLACED_SLOT_SHIFT | claim.start,
+                claim.digest.hex())
+
+
+def decode_resume(c: Ctrl) -> Tuple[int, Optional[SuffixClaim]]:
+    """A RESUME's payload bytes and claim, every field checked (RemoteProtocolError naming the one that is not)."""
+    total = int(c.value)
+    if not c.aux:
+        if c.reason:
+            raise RemoteProtocolError(f"RESUME of transfer {c.transfer_id}: a digest without a claim")
+        return total, None
+    slot, start = c.aux >> PLACED_SLOT_SHIFT, c.aux & PLACED_TOTAL_MASK
+    if not 0 < start < total:
+        raise RemoteProtocolError(f"RESUME of transfer {c.transfer_id}: field 'aux' claims bytes from {start} of "
+                                  f"{total}")
+    try:
+        digest = bytes.fromhex(c.reason)
+    except ValueError:
+        digest = b""
+    if len(digest) != 32 or len(c.reason) != 64:
+        raise RemoteProtocolError(f"RESUME of transfer {c.transfer_id}: its digest is not 64 hex digits")
+    return total, SuffixClaim(slot, start, digest)
