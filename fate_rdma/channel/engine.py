@@ -38,6 +38,7 @@ from ..protocol.packing import SuffixClaim, encode_resume
 from ..protocol.policy import Mode, choose_mode, first_chunk_bytes
 from ..protocol.refusal import error_frame
 from .buffers import RecvBuffers
+from .ending import Ending
 from .inbound import Inbound, Modes, cause_first
 from .outgoing import Outgoing, Request, Where
 from .path import Path
@@ -56,7 +57,7 @@ _Arg = Union[Outgoing, TransferFuture, int, None, Tuple[P.Ctrl, "concurrent.futu
              Tuple[int, ResumeState, int], BaseException]
 
 
-class Engine(Inbound):
+class Engine(Inbound, Ending):
     """Runs a connection's transfers in both directions (port.SendPort and port.RecvPort to its modes)."""
 
     def __init__(self, wire: Wire, path: Path, cfg: ChannelConfig, peer: Hello, recv_buffers: RecvBuffers,
@@ -176,29 +177,6 @@ class Engine(Inbound):
             return False
         finally:
             self._turn_lock.release()
-
-    def _fail_requests(self, err: BaseException) -> None:
-        while True:  # (a user's thread may drain beside _die: each request is taken once)
-            try:
-                kind, arg = self._requests.popleft()
-            except IndexError:
-                return
-            if kind is Request.SEND and isinstance(arg, Outgoing):
-                self._lose(arg, err)
-            elif kind is Request.ASK and isinstance(arg, tuple) and isinstance(arg[-1], concurrent.futures.Future):
-                arg[-1].set_exception(err)
-
-    def _lose(self, o: Outgoing, err: BaseException) -> None:
-        """The connection ended under `o`: it waits for the next connection (resume.py) or fails with `err`."""
-        o.payload.close()
-        if o.fut.done():
-            return
-        p = o.source
-        if self._resumable and self.resume is not None and p is not None:
-            p.lost_on(o)
-            if self.resume.orphan(self.address, p, err):
-                return
-        o.fut.set_exception(err)
 
     # -- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -419,44 +397,3 @@ class Engine(Inbound):
                 part.tick(now)
         # reassembly and copy buffers unused for pool_idle_s are let go of, as idle slots shrink
         self.recv_buffers.trim(cfg.pool_idle_s)
-
-    # -- the end --------------------------------------------------------------------------------
-    def _die(self, exc: BaseException, quiet: bool = False) -> None:
-        if self.dead is None:
-            self.dead = exc = self._first_error_completion(exc)
-        modes = self.modes
-        busy = self._active is not None or bool(self._outq) or bool(modes.staged_receiver and modes.staged_receiver.busy)
-        if not quiet:
-            # a peer that closes while idle is a normal end; losing it mid-transfer is not
-            (log.warning if busy else log.info)("connection to %s lost: %s", self.peer, exc)
-        err = exc if isinstance(exc, PeerUnreachable) else PeerUnreachable(f"connection to {self.peer} lost: {exc}")
-        # a broken path (not a close, not the peer's misbehaviour): the transfers wait for the next connection
-        self._resumable = not quiet and isinstance(self.dead, (PeerUnreachable, ev.EasyVerbsError)) \
-            and self.resume is not None
-        self._dead_err = err
-        if self._resumable and self.resume is not None:
-            self.resume.broke(self.address)
-        placed = list(modes.slot_sender.placed.values()) if modes.slot_sender is not None else []
-        # (in the order they were sent: a transfer whose verdict is due, the active one, then the queue)
-        lost = {id(o): o for o in placed + ([self._active] if self._active else []) + list(self._outq)}
-        for o in self._draining:  # (failed before: their errors stand)
-            o.payload.close()
-            if not o.fut.done() and o.error is not None:
-                o.fut.set_exception(o.error)
-        self._active, self._outq, self._draining = None, collections.deque(), []
-        if modes.slot_sender is not None:
-            modes.slot_sender.placed.clear()
-        for o in lost.values():
-            self._lose(o, err)
-        self._fail_requests(err)
-        for asks in self._asked.values():
-            for _total, fut in asks:
-                fut.set_exception(err)
-        self._asked.clear()
-        holdings = self.resume.holdings if self._resumable and self.resume is not None else None
-        if modes.staged_receiver is not None:
-            modes.staged_receiver.clear(holdings.keep if holdings is not None else None)
-        if modes.slot_receiver is not None and holdings is not None:
-            modes.slot_receiver.keep(holdings.keep_slot)
-        self._on_dead()
-

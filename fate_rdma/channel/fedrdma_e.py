@@ -332,7 +332,10 @@ class SlotReceiver:
             if i in lent or i in self.machine.held or state not in (P.SlotRecvState.EMPTY, P.SlotRecvState.NOTED) \
                     or (capacity <= self.slots.initial_payload_bytes and state is not P.SlotRecvState.NOTED):
                 continue
-            self.slots.revoke(i)
+            try:
+                self.slots.revoke(i)
+            except (ev.EasyVerbsError, OSError) as exc:  # (its queue pairs are down: closing the connection ends it)
+                log.debug("%s: receive slot %d kept unrevoked: %s", self.peer, i, exc)
             nbytes = self.slots.slot_bytes(i)
             self.share.release(nbytes)  # (the holdings reserve it under the peer's name)
             keep_slot(self.peer, i, self.slots.array(i)[base:base + capacity], nbytes)

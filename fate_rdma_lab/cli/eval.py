@@ -120,6 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--rate-mbit", type=float, default=None, help="the link's rate (default 1000; quick 200)")
     x.add_argument("--rtt-ms", type=float, default=None, help="the link's RTT (default 10)")
     x.add_argument("--chunk-bytes", type=int, default=None, help="the channel's chunk (default 256 KiB)")
+    x.add_argument("--mode", choices=("fedrdma", "fedrdma-e"), default=None,
+                   help="the channel's mode (default fedrdma; fedrdma-e resumes from its old receive slot)")
     x.add_argument("--out", default="results/eval", help="results root; each run makes a time-stamped folder")
     x.add_argument("--prefix", default="freval", help="namespace prefix of the testbed this run builds")
     x.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of each condition")
@@ -259,7 +261,7 @@ def _faults_plan(args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, boo
     base = QUICK if args.quick else FULL
     plan = base.with_(rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, chunk_bytes=args.chunk_bytes, count=args.count,
                       max_bytes=args.max_bytes, drops=tuple(float(x) for x in _csv(args.drops)) if args.drops else None,
-                      reset_s=args.reset_s, pause_s=args.pause_s, loss_pct=args.loss_pct)
+                      reset_s=args.reset_s, pause_s=args.pause_s, loss_pct=args.loss_pct, mode=args.mode)
     return lambda **kw: run_faults(plan, **kw), plan, True
 
 

@@ -2,7 +2,8 @@
 nothing delivered twice.
 
 One two-site testbed (site a sends, site b receives, a shaped link between). Under each condition a sender
-streams --count transfers of seeded random sizes up to --max-bytes (FedRDMA, 4 queued at a time) while, once
+streams --count transfers of seeded random sizes up to --max-bytes (--mode: FedRDMA or FedRDMA-E, 4 queued at a
+time) while, once
 a third of them has arrived, the fault strikes:
     none            the same transfers undisturbed: the baseline of the run
     drop N s        site b's nftables drops everything from site a for N s (a blackhole)
@@ -64,12 +65,13 @@ class Plan(LinkPlan):
     pause_s: float = 20.0
     loss_pct: float = 5.0
     seed: int = 7
+    mode: str = "fedrdma"
 
     def check(self) -> None:
         if self.count < 3 or self.max_bytes < 1 or any(d <= 0 for d in self.drops) or self.pause_s < 0 \
-                or self.reset_s < 0 or not 0 <= self.loss_pct < 100:
+                or self.reset_s < 0 or not 0 <= self.loss_pct < 100 or self.mode not in ("fedrdma", "fedrdma-e"):
             raise ValueError("--count must be >= 3, --max-bytes >= 1, --drops > 0, --pause-s and --reset-s >= 0, "
-                             "--loss-pct within [0, 100)")
+                             "--loss-pct within [0, 100), --mode fedrdma or fedrdma-e")
 
     def faults(self) -> List[Fault]:
         out = [Fault("none")] + [Fault("drop", d) for d in self.drops]
@@ -180,22 +182,29 @@ def _row(plan: Plan, fault: Fault, rx: _Reader, tx: _Reader, started: float, str
     resumed = [r for r in results if r.get("resumes")]
     times = [r["at"] for r in results if "at" in r]  # (the sites' monotonic clock is this host's)
     # what a resumed transfer sent again: at most the chunks in flight at the cut (its window) and one more
-    over = [r["i"] for r in resumed if r["resent_bytes"] > (r["window"] + 1) * plan.chunk_bytes]
+    over = [r["i"] for r in resumed if r["resent_bytes"] > _bound(r, plan)]
     failures = [f"sent again more than the chunks in flight and one: {over}" if over else "",
                 f"{len(lost)} lost: {lost[:10]}" if lost else "", f"delivered twice: {twice}" if twice else "",
                 f"corrupted: {corrupted}" if corrupted else "", f"{len(errors)} failed: {errors[:3]}" if errors else "",
                 f"the receiver still held {end.get('held_bytes')} bytes" if end.get("held_bytes") else "",
                 rx.error, tx.error]
     failures = [f for f in failures if f]
-    return {"study": "faults", "condition": fault.name, "fault": dataclasses.asdict(fault), "transfers": plan.count,
+    return {"study": "faults", "mode": plan.mode, "condition": fault.name, "fault": dataclasses.asdict(fault),
+            "transfers": plan.count,
             "delivered": len(set(indexes)), "lost": lost, "twice": twice, "corrupted": corrupted, "errors": errors,
             "bytes": sum(r.get("bytes", 0) for r in results if "error" not in r),
             "resumed_transfers": len(resumed), "resumes": sum(r["resumes"] for r in resumed),
             "resent_bytes": sum(r["resent_bytes"] for r in resumed),
-            "resent_bound_bytes": sum((r["window"] + 1) * plan.chunk_bytes for r in resumed),
+            "resent_bound_bytes": sum(_bound(r, plan) for r in resumed),
             "resume_wait_s": [round(r["resume_wait_s"], 3) for r in resumed],
             "struck_after_s": struck, "elapsed_s": (max(times) - started) if times else None,
             "verified": not failures, "failures": failures}
+
+
+def _bound(r: Dict[str, Any], plan: Plan) -> int:
+    """The most a resumed transfer may send again: the chunks in flight at the cut (its window) and one. Its chunk:
+    --chunk-bytes, or where the channel chose larger ones (FedRDMA-E's slot path) the transfer's bytes per chunk."""
+    return (r["window"] + 1) * max(plan.chunk_bytes, -(-r["bytes"] // max(1, r["chunks"])))
 
 
 def run_faults(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: float = 600.0,
@@ -207,7 +216,7 @@ def run_faults(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: fl
     try:
         with secret_file() as secret, testbed(wan.Testbed(links=(spec, spec), prefix=prefix), plan.measure_s, log) as bed:
             measured = measured_link(bed.measured)
-            conf = {"provider": "soft", "mode": "fedrdma", "secret_file": secret, "shared_secret_only": True,
+            conf = {"provider": "soft", "mode": plan.mode, "secret_file": secret, "shared_secret_only": True,
                     "chunk_bytes": plan.chunk_bytes, "resume_window_s": 60, "connect_timeout_s": 5}
             base: Optional[float] = None
             for fault in plan.faults():
@@ -233,7 +242,8 @@ def run_faults(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: fl
 
 def markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str) -> List[str]:
     lines = header("fate-rdma eval faults", command, [
-        f"provider: fate-rdma (FedRDMA) over the {SOFT}; resume_window_s 60",
+        f"provider: fate-rdma ({'FedRDMA-E' if plan.mode == 'fedrdma-e' else 'FedRDMA'}) over the {SOFT}; "
+        "resume_window_s 60",
         f"link: {plan.rate_mbit:g} Mbit/s, {plan.rtt_ms:g} ms RTT; {rows[0]['note'] if rows else ''}; "
         f"{link_line(rows[0]['measured']) if rows else ''}",
         f"transfers: {plan.count} per condition, seeded random sizes up to {size(plan.max_bytes)}, 4 queued at a time; "
