@@ -48,6 +48,10 @@ class PeerUnreachable(TransferError):
     """The peer cannot be reached or its connection died."""
 
 
+class PeerLeft(PeerUnreachable):
+    """The peer closed its endpoint and said so: nothing it was sending will be resumed."""
+
+
 class AuthenticationError(RemoteProtocolError):
     """The peer did not prove that it holds the federation's secret, or proved another identity than
     the one it must have."""

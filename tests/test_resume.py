@@ -260,20 +260,34 @@ def test_a_send_after_an_idle_connection_broke_waits_for_the_peer():
         tx.send("127.0.0.1:1", b"x")
 
 
-def test_a_peer_that_does_not_come_back_fails_the_transfer_naming_the_window_and_nothing_stays_held():
-    c = cfg("fedrdma", resume_window_s=1)
-    rx = Endpoint(c)
-    try:
-        tx = Endpoint(c)
-        fut = tx.send(rx.address, payload(SIZE, 2))
-        wait_for(lambda: fut.progress_bytes > SIZE // 3, 30, "a third of the transfer")
-        tx.close()  # (the sender is gone: the receiver holds what arrived, for the window)
-        wait_for(lambda: rx.resumer.held_bytes == SIZE, 10, "the receiver holding the transfer")
-        assert rx.budget.held_by(tx.address) >= SIZE  # (held bytes count against the memory budget)
-        wait_for(lambda: rx.resumer.held_bytes == 0, 10, "the receiver letting go after the window")
-        assert rx.budget.held_by(tx.address) == 0
-    finally:
-        rx.close()
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_a_sender_that_is_gone_is_held_for_the_window_one_that_said_goodbye_not_at_all(mode, monkeypatch):
+    """A sender whose process ended without a word (as a crash, or a path that stays down): the receiver holds what
+    arrived for the window, within the memory budget, then lets go of it. One whose endpoint closed said goodbye on
+    the bootstrap connection: nothing of it is held."""
+    from fate_rdma.channel import connection
+
+    c = cfg(mode, resume_window_s=1)
+    with Endpoint(c) as rx:
+        for goodbye in (False, True):
+            tx = Endpoint(c)
+            fut = tx.send(rx.address, payload(SIZE, 2))
+            wait_for(lambda: fut.progress_bytes > SIZE // 3, 30, "a third of the transfer")
+            with monkeypatch.context() as m:
+                if not goodbye:
+                    m.setattr(connection, "say_bye", lambda boot: None)
+                tx.close()
+            if goodbye:
+                wait_for(lambda: not rx._conns, 10, "the receiver seeing the sender leave")
+                assert rx.resumer.held_bytes == 0 and rx.budget.held_by(tx.address) == 0
+                continue
+            wait_for(lambda: rx.resumer.held_bytes >= SIZE, 10, "the receiver holding the transfer")
+            assert rx.budget.held_by(tx.address) >= SIZE  # (held bytes count against the memory budget)
+            wait_for(lambda: rx.resumer.held_bytes == 0, 10, "the receiver letting go after the window")
+            assert rx.budget.held_by(tx.address) == 0
+
+
+def test_a_receiver_that_does_not_come_back_fails_the_transfer_naming_the_window():
     c = cfg("fedrdma-e", resume_window_s=1)
     rx = Endpoint(c)
     with Endpoint(c) as tx:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -18,20 +17,16 @@ from pathlib import Path
 import pytest
 
 from fate_rdma.channel.auth import write_secret
-from fate_rdma_lab.testbed import bed as wan
+from fate_rdma_lab.testbed import bed as wan, firewall
 
 ROOT = str(Path(__file__).resolve().parents[1])
 COUNT, MAX_BYTES, PORT = 24, 8 << 20, 7200
 CHUNK, WINDOW = 1 << 20, 4
 
 
-def _skip_reason() -> str:
-    return wan.namespace_problem() or (None if shutil.which("nft") else "nft (nftables) is not installed") or ""
-
-
 @pytest.fixture(scope="module")
 def testbed(tmp_path_factory):
-    reason = _skip_reason()
+    reason = firewall.problem()
     if reason:
         pytest.skip(f"site namespaces cannot be built here: {reason}")
     with wan.open_sites(2, f"frrs{os.getpid() % 100000}", str(tmp_path_factory.mktemp("wanstate"))) as tb:
@@ -40,12 +35,7 @@ def testbed(tmp_path_factory):
 
 def _firewall(ns: str, rule: str) -> None:
     """The receiving site's input chain: `rule` for what comes from the sending site ("" removes it)."""
-    subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "frresume"], capture_output=True)
-    if rule:
-        script = ("table inet frresume {\n  chain input {\n    type filter hook input priority filter; policy accept;\n"
-                  f"    ip saddr 198.18.1.2 meta l4proto tcp {rule}\n  }}\n}}\n")
-        subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script, text=True, check=True,
-                       capture_output=True)
+    firewall.site_rule(ns, "frresume", f"ip saddr 198.18.1.2 meta l4proto tcp {rule}" if rule else "")
 
 
 def _site(tb, i: int, *argv: str) -> subprocess.Popen:

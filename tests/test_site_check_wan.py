@@ -6,7 +6,6 @@ each naming the peer and the silent port. Needs root, iproute2 and nft; skips wi
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -16,20 +15,16 @@ import pytest
 import yaml
 
 from fate_rdma.cli.tls import make_certificates
-from fate_rdma_lab.testbed import bed as wan
+from fate_rdma_lab.testbed import bed as wan, firewall
 
 ROOT = str(Path(__file__).resolve().parents[1])
 PARTIES = ["guest:9999", "host:10000", "arbiter:10001"]
 BOOT, DATA = 7100, "7110-7119"  # each site's bootstrap port and soft data ports (the same numbers at every site)
 
 
-def _skip_reason() -> str:
-    return wan.namespace_problem() or (None if shutil.which("nft") else "nft (nftables) is not installed") or ""
-
-
 @pytest.fixture(scope="module")
 def testbed(tmp_path_factory):
-    reason = _skip_reason()
+    reason = firewall.problem()
     if reason:
         pytest.skip(f"site namespaces cannot be built here: {reason}")
     with wan.open_sites(3, f"frsc{os.getpid() % 100000}", str(tmp_path_factory.mktemp("wanstate"))) as tb:
@@ -82,13 +77,7 @@ def _check(tb, sites, *extra):
 
 def _firewall(tb, party, rule):
     """An nftables input chain in `party`'s namespace dropping what `rule` matches (None: the table removed)."""
-    ns = tb.site_ns(PARTIES.index(party))
-    subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "frsite"], capture_output=True)
-    if rule:
-        script = ("table inet frsite {\n  chain input {\n    type filter hook input priority filter; policy accept;\n"
-                  f"    {rule} drop\n  }}\n}}\n")
-        subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=script, text=True, check=True,
-                       capture_output=True)
+    firewall.site_rule(tb.site_ns(PARTIES.index(party)), "frsite", f"{rule} drop" if rule else None)
 
 
 def _lines(out):

@@ -23,7 +23,7 @@ from .engine import Engine
 from .fedrdma import StagedReceiver, StagedSender
 from .fedrdma_e import SlotReceiver, SlotSender
 from .inbound import Modes
-from .handshake import Agreed, bootstrap_closed, confirm_posted, negotiate
+from .handshake import Agreed, bootstrap_closed, confirm_posted, negotiate, say_bye
 from .layout import LocalMemory
 from .leaving import LeavingDigest
 from .outgoing import Outgoing, Where
@@ -300,7 +300,10 @@ class Connection:
         """A delivered FedRDMA-E message was released (any thread)."""
         self.engine.release_slot(slot)
 
-    def close(self) -> None:
+    def close(self, bye: bool = False) -> None:
+        """End the connection; `bye`: this endpoint closes, say so first (handshake.say_bye)."""
+        if bye and self.dead is None:
+            say_bye(self.boot)
         self.engine.close()
 
     # -- teardown -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tu
 
 import easypyverbs as ev
 
-from ..errors import PeerUnreachable
+from ..errors import PeerLeft, PeerUnreachable
 from ..protocol.frames import ResumeState
 from .inbound import Modes
 from .outgoing import Outgoing, Request
@@ -26,6 +26,19 @@ log = logging.getLogger("fate_rdma.channel")
 
 class Ending:
     """Engine's end (its state is the engine's)."""
+
+    def _left(self) -> bool:
+        """Did the peer say goodbye (handshake.say_bye: its endpoint closed)? Also where the connection ended of
+        something else first (its queue pairs torn down as the peer closed), with the goodbye already here."""
+        if isinstance(self.dead, PeerLeft):
+            return True
+        try:
+            self._closed()
+        except PeerLeft:
+            return True
+        except Exception:  # (the bootstrap connection in any other state: not a goodbye)
+            return False
+        return False
 
     peer: str
     address: str
@@ -41,6 +54,7 @@ class Ending:
     _dead_err: Optional[BaseException]
     # the engine's own (engine.Engine, inbound.Inbound define them)
     _on_dead: Callable[[], None]
+    _closed: Callable[[], bool]
     _first_error_completion: Callable[[BaseException], BaseException]
 
     def _fail_requests(self, err: BaseException) -> None:
@@ -98,7 +112,8 @@ class Ending:
             for _total, fut in asks:
                 fut.set_exception(err)
         self._asked.clear()
-        holdings = self.resume.holdings if self._resumable and self.resume is not None else None
+        # (a peer that left, and said so, resumes nothing it was sending: nothing of it is kept)
+        holdings = self.resume.holdings if self._resumable and self.resume is not None and not self._left() else None
         if modes.staged_receiver is not None:
             modes.staged_receiver.clear(holdings.keep if holdings is not None else None)
         if modes.slot_receiver is not None and holdings is not None:

@@ -468,7 +468,7 @@ class Endpoint:
         if self._resumer is not None:
             self._resumer.close()
         for c in self._all_conns():
-            c.close()
+            c.close(bye=True)
         self.recv_buffers.clear()
         while True:
             try:

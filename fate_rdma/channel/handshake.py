@@ -9,17 +9,20 @@ where peer authentication belongs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import select
 import socket
 from typing import Any, Mapping, Optional
 
 import easypyverbs as ev
 
-from ..errors import RemoteProtocolError
+from ..errors import PeerLeft, RemoteProtocolError
 from ..protocol.frames import MAX_META
 from ..protocol.hello import HDR_SLOT, Hello, PoolOffer, StagingOffer, agree_checksum, agree_terms
 from ..protocol.integrity import BLOCKWISE
 from ..protocol.policy import one_host, qps_offer
+
+log = logging.getLogger("fate_rdma.channel")
 
 
 def exchange_hello(boot: ev.BootstrapConn, mine: Hello, timeout_s: float) -> Hello:
@@ -69,15 +72,35 @@ def bootstrap_closed(boot: ev.BootstrapConn) -> bool:
     """Both sides keep the bootstrap socket for the connection's lifetime, so its end of file means the
     peer is gone. An RC QP alone notices that only when a WR of ours goes unanswered, which an
     idle sender waiting for ACKs (FedRDMA) never posts: a real NIC's QP would wait for the
-    no-progress deadline."""
+    no-progress deadline. A peer whose endpoint closes says goodbye first (say_bye): PeerLeft."""
     sock = boot.sock
     try:
         if not select.select([sock], [], [], 0)[0]:  # (a peek on a socket with a timeout would wait)
             return False
         # the TCP stream itself, also under TLS (an SSLSocket takes no recv flags): nothing but the peer's
-        # end of file is due there once the connection is set up (tls.py: no session tickets)
-        return socket.socket.recv(sock, 1, socket.MSG_PEEK) == b""
+        # goodbye and end of file is due there once the connection is set up (tls.py: no session tickets)
+        if socket.socket.recv(sock, 1, socket.MSG_PEEK) == b"":
+            return True
     except (BlockingIOError, InterruptedError):
         return False
     except (OSError, ValueError):
         return True
+    said = boot.recv(timeout_s=BYE_TIMEOUT_S)  # (sealed where the connection is: only the peer says it)
+    if said != BYE:
+        raise RemoteProtocolError(f"unexpected message on the bootstrap connection after set-up: {str(said)[:80]}")
+    raise PeerLeft(f"{boot.peer[0]}:{boot.peer[1]} closed its endpoint")
+
+
+#: what an endpoint that closes says on each connection's bootstrap (its last message): nothing it was sending
+#: will be resumed, so its peers keep nothing of it (holding.py)
+BYE = {"bye": 1}
+BYE_TIMEOUT_S = 5.0
+
+
+def say_bye(boot: ev.BootstrapConn) -> None:
+    """This endpoint closes: tell the peer (best effort: a peer that does not hear it keeps what arrived of our
+    transfers for resume_window_s)."""
+    try:
+        boot.send(BYE, timeout_s=1.0)
+    except Exception as exc:  # (a connection that is gone already)
+        log.debug("no goodbye to %s: %s", boot.peer, exc)

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from fate_rdma_lab.eval.common import SOFT, LinkPlan, MiB, Rows, bars, header, link_line, md_table, measured_link, \
     median, print_md, results_dir, secret_file, size, testbed
 from fate_rdma_lab.testbed import bed as wan
+from fate_rdma_lab.testbed.firewall import site_rule
 from fate_rdma_lab.testbed.run import SiteProcess
 
 SITE = "fate_rdma_lab.eval.faults_site"
@@ -91,12 +91,7 @@ QUICK = Plan(rate_mbit=200.0, rtt_ms=10.0, count=20, max_bytes=16 * MiB, drops=(
 
 def _firewall(tb: wan.Testbed, rule: str) -> None:
     """Site b's input chain: `rule` for what comes from site a ("" removes the table)."""
-    ns = tb.site_ns(1)
-    subprocess.run(wan.in_ns(ns, ["nft", "delete", "table", "inet", TABLE]), capture_output=True)
-    if rule:
-        script = (f"table inet {TABLE} {{\n  chain input {{\n    type filter hook input priority filter; policy "
-                  f"accept;\n    ip saddr {tb.site_addr(0)} {rule}\n  }}\n}}\n")
-        subprocess.run(wan.in_ns(ns, ["nft", "-f", "-"]), input=script, text=True, check=True, capture_output=True)
+    site_rule(tb.site_ns(1), TABLE, f"ip saddr {tb.site_addr(0)} {rule}" if rule else "")
 
 
 def strike(tb: wan.Testbed, fault: Fault, receiver_pid: int) -> None:
