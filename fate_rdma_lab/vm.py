@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
-from easypyverbs.providers.pyverbs_provider import SOFT_ROCE_KVM_VM as LABEL_KVM
-from easypyverbs.providers.pyverbs_provider import SOFT_ROCE_TCG_VM as LABEL_TCG
+from easypyverbs.providers.pyverbs_devices import SOFT_ROCE_KVM_VM as LABEL_KVM
+from easypyverbs.providers.pyverbs_devices import SOFT_ROCE_TCG_VM as LABEL_TCG
 
 #: exit statuses of `run` that are not the command's own (those of timeout(1) and docker run)
 EXIT_TIMEOUT = 124

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import socket
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 from ..api import CQ, MR, PD, QP, SGE, Context
 from ..enums import MTU_BYTES, Access, QPState, WCOpcode, WCStatus
@@ -29,12 +28,8 @@ from ..errors import EasyVerbsError, NoDeviceError, UsageError
 from ..types import WC, DeviceInfo, PortInfo, QPCap, QPInfo
 from . import pyverbs_windows as W
 from .pyverbs_call import call
-
-#: how logs, doctor and benchmark lines name Soft-RoCE (rxe): real kernel verbs over a software NIC
-SOFT_ROCE_TCG_VM = "Soft-RoCE (rxe) in a TCG VM: verbs semantics, not RDMA performance"
-SOFT_ROCE_KVM_VM = "Soft-RoCE (rxe) in a KVM VM: verbs semantics, not RDMA performance"
-SOFT_ROCE = "Soft-RoCE (rxe): kernel verbs over a software NIC, not RDMA hardware performance"
-_RXE_VENDOR_ID = 0xFFFFFF  # what rdma_rxe reports as ibv_device_attr.vendor_id
+from .pyverbs_devices import RXE_VENDOR_ID, gid_type, soft_roce_label, status
+from .pyverbs_devices import version as version  # (re-exported: doctor)
 
 log = logging.getLogger("easypyverbs.pyverbs")
 
@@ -45,64 +40,6 @@ def _enums() -> Any:
     except ImportError:
         import pyverbs.enums as e  # rdma-core 44
     return e
-
-
-def _import_device_module() -> Any:
-    """Import pyverbs.device without its side effect: pyverbs calls logging.basicConfig(level=INFO)
-    on import, which would turn on every library's INFO logs in the host process."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        import pyverbs.device as d
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return d
-
-
-def status() -> Tuple[bool, str, List[str]]:
-    """(pyverbs importable, explanation, RDMA device names)."""
-    try:
-        d = _import_device_module()
-    except ImportError as exc:
-        return False, f"pyverbs is not importable ({exc}); run deploy/install-rdma-core.sh", []
-    try:
-        devs = d.get_device_list()
-    except Exception as exc:  # PyverbsRDMAError('Failed to get devices list') when there is none
-        return True, f"rdma-core lists no RDMA device ({exc})", []
-    names = [dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name) for dev in devs]
-    if not names:
-        return True, "rdma-core lists no RDMA device", []
-    return True, "ok", names
-
-
-def version() -> str:
-    try:
-        import pyverbs
-
-        return getattr(pyverbs, "__version__", "") or os.path.dirname(pyverbs.__file__)
-    except ImportError:
-        return ""
-
-
-def soft_roce_label() -> str:
-    """The label of an rxe device here: in the project's qemu VM (frvm.accel= on the kernel
-    command line, set by `fate-rdma vm run`) it names the accelerator."""
-    try:
-        with open("/proc/cmdline") as f:
-            args = f.read().split()
-    except OSError:
-        args = []
-    accel = next((a.split("=", 1)[1] for a in args if a.startswith("frvm.accel=")), "")
-    return {"tcg": SOFT_ROCE_TCG_VM, "kvm": SOFT_ROCE_KVM_VM}.get(accel, SOFT_ROCE)
-
-
-def _gid_type(dev: str, port: int, index: int) -> str:
-    try:
-        with open(f"/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/types/{index}") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def open_pyverbs(name: Optional[str] = None, port_num: int = 1, gid_index: Optional[int] = None) -> "PyverbsContext":
@@ -132,7 +69,7 @@ class PyverbsContext(Context):
         self.gid_index = self._pick_gid() if gid_index is None else gid_index
         self.gid = str(call("query_gid", self._ctx.query_gid, port_num, self.gid_index).gid)
         self._attr = call("query_device", self._ctx.query_device)
-        self.soft_roce = self._attr.vendor_id == _RXE_VENDOR_ID or name.startswith("rxe")
+        self.soft_roce = self._attr.vendor_id == RXE_VENDOR_ID or name.startswith("rxe")
         #: whether `reg_mr(..., revocable=True)` opens remote access through a type 1 memory window, so that
         #: `revoke_remote`/`rekey` take it back and give it again without registering anew (pyverbs_windows):
         #: where the device has windows unless EASYPYVERBS_MEMORY_WINDOWS=off, or set it. Turned off, with a
@@ -156,7 +93,7 @@ class PyverbsContext(Context):
                 gid = str(self._ctx.query_gid(self.port_num, i).gid)
             except Exception:
                 continue
-            if gid.strip("0:") == "" or "v2" not in _gid_type(self.name, self.port_num, i):
+            if gid.strip("0:") == "" or "v2" not in gid_type(self.name, self.port_num, i):
                 continue
             if gid.startswith("0000:0000:0000:0000:0000:ffff") or "::ffff:" in gid:
                 return i
@@ -174,7 +111,7 @@ class PyverbsContext(Context):
     def _query(self) -> DeviceInfo:
         attr = call("query_device", self._ctx.query_device)
         port = call("query_port", self._ctx.query_port, self.port_num)
-        gids = tuple((i, str(self._ctx.query_gid(self.port_num, i).gid), _gid_type(self.name, self.port_num, i))
+        gids = tuple((i, str(self._ctx.query_gid(self.port_num, i).gid), gid_type(self.name, self.port_num, i))
                      for i in range(min(port.gid_tbl_len, 8)))
         state = "ACTIVE" if port.state == self.e.IBV_PORT_ACTIVE else f"state {port.state}"
         p = PortInfo(self.port_num, state, MTU_BYTES.get(port.active_mtu, 0), port.max_msg_sz, port.lid,

@@ -18,11 +18,13 @@ from easypyverbs.retry import Retry
 
 from .. import metrics, trace
 from ..config import ChannelConfig, is_loopback_host as _loopback, port_range
-from ..errors import AuthenticationError, ConfigError, FateRdmaError, PeerUnreachable, TransferTimeout
-from .auth import authenticate, load_secret, seal
+from ..errors import ConfigError, FateRdmaError, PeerUnreachable, TransferTimeout
+from .auth import load_secret
 from .buffers import Budget, RecvBuffers
 from .connection import Connection, checked_metadata, pending
+from .accepting import accept
 from .dialer import dial
+from .holds import hold_reporter
 from .engine import Engine
 from .layout import same_host_capable
 from .posting import send_sge_limit
@@ -33,29 +35,6 @@ from .tls import ChannelTLS
 from .transfer import Fill, Message, TransferFuture
 
 log = logging.getLogger("fate_rdma.channel")
-
-
-def _hold_reporter(ref: "weakref.ReferenceType[Endpoint]") -> Callable[[float, float], None]:
-    """For easypyverbs.stalls: counts each hold of this process for the endpoint and says what it did to its
-    transfers (a warning once a hold reaches a quarter of what a peer waits for progress before giving up)."""
-    def report(seconds: float, _ended: float) -> None:
-        ep = ref()
-        if ep is None or ep.closed:
-            return
-        ep.holds += 1
-        ep.held_s += seconds
-        ep.longest_hold_s = max(ep.longest_hold_s, seconds)
-        peers = ep.peers()
-        if not peers:
-            return
-        limit = ep.config.no_progress_timeout_s
-        (log.warning if seconds >= limit / 4 else log.info)(
-            "fate-rdma endpoint %s: this process ran no Python for %.1f s (code holding the GIL, such as FATE's secure "
-            "aggregation of a large model, or the process stopped); the soft provider and the channel of %s stood "
-            "still meanwhile. A peer gives up after no_progress_timeout_s (%g s) without progress: keep it above the "
-            "longest hold", ep.name, seconds, ", ".join(peers), limit)
-    return report
-
 
 
 class Endpoint:
@@ -150,7 +129,7 @@ class Endpoint:
         self._closed = False
         # holds of this process (easypyverbs.stalls) since the endpoint opened: count, seconds, the longest
         self.holds, self.held_s, self.longest_hold_s = 0, 0.0, 0.0
-        self._holds_token = stalls.subscribe(_hold_reporter(weakref.ref(self)))
+        self._holds_token = stalls.subscribe(hold_reporter(weakref.ref(self)))
         trace.watch_holds()
         self._acceptor = threading.Thread(target=self._accept_loop, name="fate-rdma-accept", daemon=True)
         self._acceptor.start()
@@ -222,36 +201,12 @@ class Endpoint:
                              daemon=True).start()
 
     def _accept_one(self, boot: ev.BootstrapConn, done: Callable[[], None]) -> None:
-        # every read of the handshake has its own deadline (connect_timeout_s) and the handshake has a
-        # fixed number of reads, so a stranger holds one of max_pending_handshakes slots for a bounded time
-        raw = boot
         try:
-            allowed = self.allowed_peers
-            claimed = None
-            if self.tls is not None:  # TLS first; the dialer's certificate must name the party it claims
-                boot, claimed = self.tls.accept(raw, self.config.connect_timeout_s,
-                                                None if allowed is None else allowed.__contains__)
-            who = authenticate(boot, self.name, self.secret, dialer=False, timeout_s=self.config.connect_timeout_s,
-                               accept=None if allowed is None else allowed.__contains__, tls=self.tls is not None)
-            if self.tls is not None:
-                who = self.tls.bind(who, claimed)
-            if allowed is not None and who.name not in allowed:  # unauthenticated (loopback) peers too
-                raise AuthenticationError(f"{who.name!r} is not a party of this endpoint's federation")
-            seal(boot, who, dialer=False)
-            if who.authenticated:  # a proven party may be held mid-handshake as in a transfer (never a stranger)
-                boot.wait_patiently(self._patience_s, "no_progress_timeout_s")
-            conn = Connection(self, boot, dialer=False, identity=who)
-        except Exception as exc:
-            self.refused += 1
-            if isinstance(exc, AuthenticationError):
-                metrics.auth_failed("acceptor")
-            self.last_refusal = f"{raw.peer[0]}:{raw.peer[1]}: {exc}"
-            log.warning("fate-rdma endpoint %s: rejected a connection from %s:%s: %s", self.name, *raw.peer[:2], exc)
-            boot.close()
-            raw.close()
-            return
+            conn = accept(self, boot)
         finally:
             done()
+        if conn is None:
+            return
         with self._lock:
             old = self._conns.get(conn.peer)
             if old is not None and old is not conn and old.dead is None:

@@ -32,17 +32,17 @@ State (spec, helper pid, last measurement) lives in `state_dir()/P.json`; `down`
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from fate_rdma_lab.testbed.delay_helper import (HELPERS, build_helper, helper_pids, helper_source,  # noqa: F401
+                                                pid_is_helper, stop_pid)
 from fate_rdma_lab.testbed.spec import (PAPER_NOTE, SITE_NAMES, LinkSpec, Testbed, WanError, WanUnavailable,  # noqa: F401
                                         check_prefix, fmt_rate, testbed_note)
 
@@ -55,7 +55,6 @@ SITE_DEV = "wan0"
 MTU = 1500                   # helper slots are 2048 bytes; every link keeps Ethernet's MTU
 CMD_TIMEOUT_S = 20.0         # any single ip/tc/nft command; they take milliseconds when healthy
 HELPER_START_TIMEOUT_S = 5.0
-_HELPERS: Dict[int, "subprocess.Popen[bytes]"] = {}   # helpers this process started, reaped when stopped
 
 
 # -- running commands -------------------------------------------------------------------------------
@@ -193,73 +192,6 @@ def _save_state(prefix: str, state: Dict[str, Any]) -> None:
 
 
 # -- the delay helper -------------------------------------------------------------------------------
-def helper_source() -> Path:
-    src = Path(__file__).resolve().parents[2] / "deploy" / "wan" / "delay_helper.c"
-    if not src.is_file():
-        raise WanError(f"deploy/wan/delay_helper.c not found next to the package ({src}); run from a source checkout")
-    return src
-
-
-def build_helper() -> Path:
-    """Compile the helper once per source version into the user's cache (atomic rename: safe in parallel)."""
-    src = helper_source()
-    digest = hashlib.sha256(src.read_bytes()).hexdigest()[:12]
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    out = Path(xdg) / "fate-rdma" / "wan" / f"wan-delay-{digest}"
-    if out.is_file() and os.access(out, os.X_OK):
-        return out
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise WanError("no C compiler for the delay helper: apt-get install gcc")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    sh([cc, "-O2", "-std=gnu99", "-Wall", "-o", str(tmp), str(src)], timeout_s=120)
-    tmp.replace(out)
-    return out
-
-
-def _pid_is_helper(pid: int, prefix: str) -> bool:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return any(b"wan-delay-" in c for c in cmd[:1]) and f"{prefix}-delay.json".encode() in b" ".join(cmd)
-
-
-def helper_pids(prefix: str) -> List[int]:
-    """Running delay helpers of this prefix, found in /proc (the state file may be gone or stale)."""
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _pid_is_helper(int(p.name), prefix)]
-
-
-def _stop_pid(pid: int, timeout_s: float = 5.0) -> None:
-    proc = _HELPERS.pop(pid, None)
-    if proc is not None:  # our own child: terminate and reap it through its Popen
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        except ChildProcessError:  # not our child: poll for its disappearance
-            if not Path(f"/proc/{pid}").exists():
-                return
-        time.sleep(0.02)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _start_helper(tb: Testbed, binary: Path) -> int:
     sd = state_dir()
     stats = sd / f"{tb.prefix}-delay.json"
@@ -279,7 +211,7 @@ def _start_helper(tb: Testbed, binary: Path) -> int:
             tail = (sd / f"{tb.prefix}-delay.log").read_text(errors="replace")[-500:]
             raise WanError(f"the delay helper did not start: {tail.strip() or 'no output'}")
         time.sleep(0.02)
-    _HELPERS[proc.pid] = proc
+    HELPERS[proc.pid] = proc
     return proc.pid
 
 
@@ -361,7 +293,7 @@ def _ensure_topology(tb: Testbed, log: Callable[[str], None]) -> None:
 def _apply_shaping(tb: Testbed, log: Callable[[str], None]) -> Optional[int]:
     r = tb.router
     for old in helper_pids(tb.prefix):  # the tun takes one reader: the last shape's helper goes first
-        _stop_pid(old)
+        stop_pid(old)
     for i, link in enumerate(tb.links):
         _tbf(tb.site_ns(i), SITE_DEV, link, tb.queue_ms)
         _tbf(r, f"s-{SITE_NAMES[i]}", link, tb.queue_ms)
@@ -421,7 +353,7 @@ def _remove_namespace(ns: str) -> None:
     # a namespace with a process still inside outlives `ip netns del`: stop them first
     pids = [int(p) for p in sh(["ip", "netns", "pids", ns], check=False).split()]
     for pid in pids:
-        _stop_pid(pid)
+        stop_pid(pid)
     sh(["ip", "netns", "del", ns], check=False)
 
 
@@ -429,7 +361,7 @@ def down(prefix: str) -> List[str]:
     """Remove everything of this prefix; returns what was removed. Works without the state file."""
     done: List[str] = []
     for pid in helper_pids(prefix):
-        _stop_pid(pid)
+        stop_pid(pid)
         done.append(f"stopped delay helper pid {pid}")
     for ns in existing_namespaces(prefix):
         # veths, tun, qdiscs, nft tables and routes all live inside and go with the namespace
@@ -467,7 +399,7 @@ def status(prefix: str) -> Dict[str, Any]:
         out["namespaces"][ns] = info
     pid = (state or {}).get("helper_pid")
     if pid:
-        out["helper"] = {"pid": pid, "alive": _pid_is_helper(int(pid), prefix)}
+        out["helper"] = {"pid": pid, "alive": pid_is_helper(int(pid), prefix)}
         try:
             out["helper"]["stats"] = json.loads((state_dir() / f"{prefix}-delay.json").read_text())
         except (OSError, ValueError):
