@@ -91,6 +91,25 @@ def test_a_cut_transfer_is_resumed_and_delivered_once(mode, how):
 
 
 @pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
+def test_with_several_queue_pairs_what_is_sent_again_is_at_most_the_window_on_each(mode):
+    """Chunks complete out of order across queue pairs; the receiver holds what lies beyond (FedRDMA-E) or before
+    (FedRDMA) the first one missing, so up to the window on each queue pair is sent again."""
+    qps, window = 4, 16
+    c = cfg(mode, qps_per_peer=qps, window=window, slot_bytes=16 << 20)
+    with Endpoint(c) as rx, Endpoint(c) as tx:
+        data = payload(12 << 20, 17)
+        fut = tx.send(rx.address, data)
+        wait_for(lambda: fut.progress_bytes > data.nbytes // 3, 30, "a third of the transfer")
+        cut(tx, rx.address, "sender-bootstrap")
+        r = fut.result(30)
+        msg = rx.recv(10)
+        assert bytes(msg.view) == data.tobytes()
+        msg.release()
+        no_more(rx)
+        assert r["resumes"] == 1 and 0 < r["resent_bytes"] <= (window * qps + 1) * CHUNK, r
+
+
+@pytest.mark.parametrize("mode", ["fedrdma", "fedrdma-e"])
 @pytest.mark.parametrize("provider", ["soft-tcp", "pyverbs"])
 def test_a_qp_in_error_is_resumed_on_new_queue_pairs(provider, mode, monkeypatch):
     """Both providers (pyverbs: rxe0 in the VM leg): the sender's QP is put in error mid-transfer (a QP in

@@ -197,9 +197,13 @@ def _row(plan: Plan, fault: Fault, rx: _Reader, tx: _Reader, started: float, str
 
 
 def _bound(r: Dict[str, Any], plan: Plan) -> int:
-    """The most a resumed transfer may send again: the chunks in flight at the cut (its window) and one. Its chunk:
-    --chunk-bytes, or where the channel chose larger ones (FedRDMA-E's slot path) the transfer's bytes per chunk."""
-    return (r["window"] + 1) * max(plan.chunk_bytes, -(-r["bytes"] // max(1, r["chunks"])))
+    """The most a resumed transfer may send again: the chunks in flight at the cut (its window) and one. With Q
+    queue pairs chunks complete out of order across them, and the receiver holds only what lies beyond the first
+    one missing: up to the window on each queue pair. Its chunk: --chunk-bytes, or where the channel chose larger
+    ones (FedRDMA-E's slot path) the transfer's bytes per chunk."""
+    chunk = max(plan.chunk_bytes, -(-r["bytes"] // max(1, r.get("chunks") or 1)))
+    qps = max(1, r.get("qps") or 1)
+    return (r["window"] * qps + 1) * chunk
 
 
 def run_faults(plan: Plan, out_root: Path, prefix: str = "freval", timeout_s: float = 600.0,
@@ -255,7 +259,7 @@ def markdown(rows: Sequence[Dict[str, Any]], plan: Plan, command: str) -> List[s
                       f"{r['extra_s']:+.1f}" if r.get("extra_s") is not None else "-",
                       "verified" if r["verified"] else "FAILED: " + "; ".join(r["failures"])])
     lines += md_table(["condition", "delivered once", "twice", "corrupted", "resumed",
-                       "MiB sent again (bound: window + 1 chunks)",
+                       "MiB sent again (bound: window x QPs + 1 chunks)",
                        "resume wait s (median)", "run s", "vs baseline s", "verification"], cells)
     bad = [r for r in rows if not r["verified"]]
     if rows and not bad:

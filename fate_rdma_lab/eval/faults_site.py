@@ -8,7 +8,7 @@ the ones the sender made, "tid", "at"}), and {"end": messages, "held_bytes"} onc
 passed (after a second more, for a message that would come twice: {"extra": true} lines). The sender sends COUNT
 payloads of random sizes up to MAX_BYTES, made from their index and SEED (the receiver makes them again to check
 them), at most IN_FLIGHT (4) queued at once, and prints {"sent"} at the end and one line per result: {"i",
-"bytes", "resumes", "resent_bytes", "resume_wait_s", "window", "seconds", "at"} or {"i", "error"}. `at`: seconds on the monotonic clock.
+"bytes", "resumes", "resent_bytes", "resume_wait_s", "window", "chunks", "qps", "seconds", "at"} or {"i", "error"}. `at`: seconds on the monotonic clock.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def send(cfg: ChannelConfig, address: str, peer: str, count: int, max_bytes: int
         try:
             r = f.result(3600)
             out({"i": i, "bytes": r["bytes"], "resumes": r["resumes"], "resent_bytes": r["resent_bytes"],
-                 "resume_wait_s": r["resume_wait_s"], "window": r["window"], "seconds": r["seconds"],
+                 "resume_wait_s": r["resume_wait_s"], "window": r["window"], "chunks": r["chunks"],
+                 "qps": r["qps"], "seconds": r["seconds"],
                  "at": time.monotonic()})
         except FateRdmaError as exc:
             out({"i": i, "error": f"{type(exc).__name__}: {exc}", "at": time.monotonic()})
