@@ -20,6 +20,7 @@ from .outgoing import Outgoing, Request
 
 if TYPE_CHECKING:
     from .resume import Resumer
+    from .wire import Wire
 
 log = logging.getLogger("fate_rdma.channel")
 
@@ -43,6 +44,7 @@ class Ending:
     peer: str
     address: str
     modes: Modes
+    wire: "Wire"
     resume: Optional["Resumer"]
     dead: Optional[BaseException]
     _active: Optional[Outgoing]
@@ -79,6 +81,14 @@ class Ending:
             if self.resume.orphan(self.address, p, err):
                 return
         o.fut.set_exception(err)
+
+    def _stop_qps(self, why: str) -> None:
+        """Every QP of the connection to the error state: nothing more is placed through them."""
+        for rc in self.wire.rcs:
+            try:
+                rc.qp.to_error(why)
+            except Exception as exc:  # (closed, or a provider without it: the teardown ends it)
+                log.debug("%s: a QP not moved to error: %s", self.peer, exc)
 
     def _die(self, exc: BaseException, quiet: bool = False) -> None:
         if self.dead is None:
@@ -117,6 +127,9 @@ class Ending:
         if modes.staged_receiver is not None:
             modes.staged_receiver.clear(holdings.keep if holdings is not None else None)
         if modes.slot_receiver is not None and holdings is not None:
+            # (the QPs first: a WRITE being placed from a path that broke only at the peer's end, say a reset
+            # that reached it alone, would hold the slot's revoke until the provider's bound)
+            self._stop_qps(f"connection to {self.peer} lost")
             modes.slot_receiver.keep(holdings.keep_slot)
         self._on_dead()
 

@@ -146,14 +146,17 @@ class Holdings:
         engine's turn). Where another connection from it is still up here (this side has not seen it break
         yet), that one is ended first, its transfers kept, so that nothing arrives on it after the answer; a
         claim's bytes are digested beside the engine (a large suffix takes a while)."""
-        others = [e for e in self.endpoint.engines_of(peer) if e is not engine and e.dead is None]
+        # (one that broke and is still ending keeps what it held meanwhile: the answer waits for it too)
+        others = [e for e in self.endpoint.engines_of(peer) if e is not engine
+                  and (e.dead is None or e.thread.is_alive())]
         if not others and claim is None:
             engine.answer_resume(tid, *self.query(peer, tid, total))
             return
 
         def later() -> None:
             for e in others:
-                e.break_off(PeerUnreachable(f"{peer} resumed its transfers on a new connection"))
+                if e.dead is None:
+                    e.break_off(PeerUnreachable(f"{peer} resumed its transfers on a new connection"))
             for e in others:
                 e.thread.join(timeout=self.endpoint.config.connect_timeout_s / 2)  # (the asker waits connect_timeout_s)
             engine.answer_resume(tid, *self.query(peer, tid, total, claim))

@@ -3,8 +3,7 @@ nothing delivered twice.
 
 One two-site testbed (site a sends, site b receives, a shaped link between). Under each condition a sender
 streams --count transfers of seeded random sizes up to --max-bytes (--mode: FedRDMA or FedRDMA-E, 4 queued at a
-time) while, once
-a third of them has arrived, the fault strikes:
+time) while, once a third of them has arrived, the fault strikes:
     none            the same transfers undisturbed: the baseline of the run
     drop N s        site b's nftables drops everything from site a for N s (a blackhole)
     reset N s       site b answers site a with TCP resets for N s: every connection breaks
