@@ -273,7 +273,9 @@ class Engine(Inbound, Ending):
         if machine is None:
             return False
         o.begin(machine, mode, self.where)
-        o.fut.mode, o.fut.window, o.fut.chunks = mode.value, machine.window, len(machine.chunks)
+        # (a resumed transfer: the largest window and chunk of its tries, which bound what it sent twice)
+        o.fut.mode, o.fut.window, o.fut.chunks = mode.value, max(o.fut.window, machine.window), len(machine.chunks)
+        o.fut.chunk_bytes = max([o.fut.chunk_bytes, *(c.length for c in machine.chunks)])
         self._active = o
         return True
 
@@ -333,7 +335,7 @@ class Engine(Inbound, Ending):
         p = o.source
         o.fut.set_result({"transfer_id": o.fut.transfer_id, "bytes": p.total if p else o.payload.total, "seconds": secs,
                           "mode": o.mode.value if o.mode else "", "window": o.fut.window, "chunks": o.fut.chunks,
-                          "qps": self.path.active_qps, "resumes": p.resumes if p else 0,
+                          "chunk_bytes": o.fut.chunk_bytes, "qps": self.path.active_qps, "resumes": p.resumes if p else 0,
                           "resent_bytes": p.resent_bytes if p else 0, "resume_wait_s": p.waited_s if p else 0.0})
 
     def fail(self, o: Outgoing, exc: BaseException, tell_peer: bool) -> None:

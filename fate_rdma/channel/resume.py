@@ -295,7 +295,8 @@ class Resumer:
                         f"been sent before)")
             if state is ResumeState.DELIVERED:
                 p.fut.set_result({"transfer_id": p.fut.transfer_id, "bytes": p.total, "seconds": 0.0,
-                                  "mode": p.fut.mode, "window": p.fut.window, "chunks": p.fut.chunks, "qps": 0,
+                                  "mode": p.fut.mode, "window": p.fut.window, "chunks": p.fut.chunks,
+                                  "chunk_bytes": p.fut.chunk_bytes, "qps": 0,
                                   "resumes": p.resumes, "resent_bytes": p.resent_bytes, "resume_wait_s": p.waited_s})
             else:
                 conn.resend(p, *send)

@@ -192,6 +192,7 @@ class TransferFuture(concurrent.futures.Future[Dict[str, Any]]):
         self.mode = ""
         self.window = 0
         self.chunks = 0
+        self.chunk_bytes = 0
         self._canceller = canceller
         self._progress_cbs: List[Callable[[int, int], None]] = []
 

@@ -198,9 +198,9 @@ def _row(plan: Plan, fault: Fault, rx: _Reader, tx: _Reader, started: float, str
 def _bound(r: Dict[str, Any], plan: Plan) -> int:
     """The most a resumed transfer may send again: the chunks in flight at the cut (its window) and one. With Q
     queue pairs chunks complete out of order across them, and the receiver holds only what lies beyond the first
-    one missing: up to the window on each queue pair. Its chunk: --chunk-bytes, or where the channel chose larger
-    ones (FedRDMA-E's slot path) the transfer's bytes per chunk."""
-    chunk = max(plan.chunk_bytes, -(-r["bytes"] // max(1, r.get("chunks") or 1)))
+    one missing: up to the window on each queue pair. Its chunk: the largest any of its tries sent (the channel's
+    choice: --chunk-bytes, or larger on FedRDMA-E's slot path); its window, the largest of its tries'."""
+    chunk = max(plan.chunk_bytes, r.get("chunk_bytes") or 0)
     qps = max(1, r.get("qps") or 1)
     return (r["window"] * qps + 1) * chunk
 

@@ -71,7 +71,7 @@ def send(cfg: ChannelConfig, address: str, peer: str, count: int, max_bytes: int
         try:
             r = f.result(3600)
             out({"i": i, "bytes": r["bytes"], "resumes": r["resumes"], "resent_bytes": r["resent_bytes"],
-                 "resume_wait_s": r["resume_wait_s"], "window": r["window"], "chunks": r["chunks"],
+                 "resume_wait_s": r["resume_wait_s"], "window": r["window"], "chunks": r["chunks"], "chunk_bytes": r["chunk_bytes"],
                  "qps": r["qps"], "seconds": r["seconds"],
                  "at": time.monotonic()})
         except FateRdmaError as exc:
