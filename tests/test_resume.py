@@ -54,6 +54,20 @@ def cut(ep: Endpoint, peer: str, how: str) -> None:
         conn.rcs[0].qp.to_error("the test put the QP in error")
 
 
+def cut_at_a_third(rx: Endpoint, tx: Endpoint, data: np.ndarray) -> dict:
+    """Send `data`, cut the sender's bootstrap a third of the way through; the transfer's result, once the
+    receiver has it once, verified."""
+    fut = tx.send(rx.address, data)
+    wait_for(lambda: fut.progress_bytes > data.nbytes // 3, 30, "a third of the transfer")
+    cut(tx, rx.address, "sender-bootstrap")
+    r = fut.result(30)
+    msg = rx.recv(10)
+    assert bytes(msg.view) == data.tobytes()
+    msg.release()
+    no_more(rx)
+    return r
+
+
 def no_more(ep: Endpoint, within_s: float = 0.5) -> None:
     with pytest.raises(E.TransferTimeout):
         extra = ep.recv(within_s)
@@ -97,15 +111,7 @@ def test_with_several_queue_pairs_what_is_sent_again_is_at_most_the_window_on_ea
     qps, window = 4, 16
     c = cfg(mode, qps_per_peer=qps, window=window, slot_bytes=16 << 20)
     with Endpoint(c) as rx, Endpoint(c) as tx:
-        data = payload(12 << 20, 17)
-        fut = tx.send(rx.address, data)
-        wait_for(lambda: fut.progress_bytes > data.nbytes // 3, 30, "a third of the transfer")
-        cut(tx, rx.address, "sender-bootstrap")
-        r = fut.result(30)
-        msg = rx.recv(10)
-        assert bytes(msg.view) == data.tobytes()
-        msg.release()
-        no_more(rx)
+        r = cut_at_a_third(rx, tx, payload(12 << 20, 17))
         assert r["resumes"] == 1 and 0 < r["resent_bytes"] <= (window * qps + 1) * CHUNK, r
 
 
@@ -178,15 +184,7 @@ def test_a_kept_slot_whose_bytes_changed_is_not_trusted(monkeypatch, caplog):
     monkeypatch.setattr(H.Holdings, "keep_slot", altered)
     c = cfg("fedrdma-e")
     with Endpoint(c) as rx, Endpoint(c) as tx:
-        data = payload(SIZE, 13)
-        fut = tx.send(rx.address, data)
-        wait_for(lambda: fut.progress_bytes > SIZE // 3, 30, "a third of the transfer")
-        cut(tx, rx.address, "sender-bootstrap")
-        r = fut.result(30)
-        msg = rx.recv(10)
-        assert bytes(msg.view) == data.tobytes()
-        msg.release()
-        no_more(rx)
+        r = cut_at_a_third(rx, tx, payload(SIZE, 13))
         assert r["resumes"] == 1 and r["resent_bytes"] > SIZE // 3, r
         assert "their digest differs" in caplog.text
 
